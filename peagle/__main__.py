@@ -1,0 +1,5 @@
+"""`python -m peagle ...` runs the CLI."""
+
+from peagle.cli import main
+
+main()

@@ -1,0 +1,42 @@
+"""The `peagle` command line (typer). Errors are one line with the reason and a non-zero exit.
+
+Commands are registered by the modules that own them; this file only assembles the app.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train, evaluate and export P-EAGLE drafts.")
+
+
+@app.callback()
+def _root() -> None:
+    """Train, evaluate and export P-EAGLE drafts; talk to a running peagle service."""
+
+
+@app.command("fixtures")
+def fixtures_cmd(
+    which: str = typer.Argument("all", help="smollm2 | tiny | all"),
+) -> None:
+    """Build the offline fixture folders (SmolLM2-135M-Instruct, tiny Llama) into the cache."""
+    from peagle import fixtures
+
+    if which not in ("smollm2", "tiny", "all"):
+        typer.echo(f"error: unknown fixture {which!r} (smollm2 | tiny | all)", err=True)
+        raise typer.Exit(2)
+    if which in ("smollm2", "all"):
+        typer.echo(f"smollm2: {fixtures.smollm2_dir()}")
+    if which in ("tiny", "all"):
+        typer.echo(f"tiny: {fixtures.tiny_llama_dir()}")
+
+
+def main() -> None:
+    """Entry point of the `peagle` console script."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        raise SystemExit(130) from None

