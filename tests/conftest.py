@@ -49,7 +49,7 @@ def postgres_admin_url() -> str:
     try:
         with psycopg.connect(plain, connect_timeout=3) as conn:
             conn.execute("select 1")
-    except Exception as exc:  # noqa: BLE001 - any connection failure means "unavailable"
+    except Exception as exc:
         _unavailable("PostgreSQL", f"{type(exc).__name__}: {exc}")
     return PG_ADMIN_URL
 
@@ -86,7 +86,7 @@ def redis_url() -> str:
         client.ping()
         client.flushdb()
         client.close()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _unavailable("Redis", f"{type(exc).__name__}: {exc}")
     return REDIS_URL
 

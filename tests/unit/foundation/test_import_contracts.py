@@ -1,0 +1,67 @@
+"""Dependency direction: checked by import-linter (`make test`) and here, in fresh interpreters."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _fresh(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_importing_api_main_does_not_import_torch() -> None:
+    if not (ROOT / "api" / "main.py").exists():
+        pytest.fail("api/main.py is missing")
+    loaded = _fresh(
+        "import sys, api.main; "
+        "print(sorted(m for m in ('torch','transformers','worker','peagle.draft','peagle.train') if m in sys.modules))"
+    )
+    assert loaded == "[]"
+
+
+def test_importing_spec_and_settings_is_light() -> None:
+    loaded = _fresh("import sys, peagle.spec, api.settings; print('torch' in sys.modules, 'fastapi' in sys.modules)")
+    assert loaded == "False False"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_peagle_never_imports_the_service() -> None:
+    forbidden = ("api", "worker", "fastapi", "celery", "sqlalchemy", "alembic", "starlette")
+    for path in (ROOT / "peagle").rglob("*.py"):
+        for name in _imports(path):
+            assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_api_imports_only_the_spec_from_peagle() -> None:
+    allowed = {"peagle", "peagle.spec", "peagle.errors"}
+    for path in (ROOT / "api").rglob("*.py"):
+        for name in _imports(path):
+            root = name.split(".")[0]
+            assert root not in ("torch", "transformers", "worker"), f"{path.relative_to(ROOT)} imports {name}"
+            if root == "peagle":
+                assert name in allowed, f"{path.relative_to(ROOT)} imports {name} (only peagle.spec allowed)"
+
+
+def test_import_linter_contracts_pass() -> None:
+    exe = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
