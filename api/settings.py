@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(default=5.0, gt=0, description="Worker lease heartbeat interval.")
     lease_seconds: float = Field(default=60.0, gt=0, description="A job whose heartbeat is older is requeued.")
     kill_grace_seconds: float = Field(default=60.0, gt=0, description="SIGTERM -> SIGKILL grace for trainers.")
+    trainer_command: str | None = Field(
+        default=None,
+        description="Command prefix the worker runs as the trainer (shell words, then `train SPEC ...`); "
+        "default `<python> -m peagle`. Tests substitute a fake trainer.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def resolved_database_url(self) -> str:

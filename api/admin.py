@@ -1,0 +1,82 @@
+"""Operator commands: `python -m api.admin create-key --owner NAME --scope write` (prints the secret ONCE),
+`list-keys`, `revoke-key PREFIX`, `migrate`. The database URL comes from `api.settings.get_settings()`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import sqlalchemy as sa
+import typer
+
+from api.db import repo
+from api.db.models import ApiKey, Owner
+from api.db.session import make_engine, make_session_factory, session_scope
+from api.settings import get_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Administer the peagle service.")
+
+
+def _sessions():  # type: ignore[no-untyped-def]
+    settings = get_settings()
+    from api.db import upgrade
+
+    url = settings.resolved_database_url()
+    if settings.embedded and url.startswith("sqlite"):
+        upgrade(url)
+    return make_session_factory(make_engine(url))
+
+
+@app.command("create-key")
+def create_key(
+    owner: str = typer.Option(..., "--owner", help="Owner name (created if new)."),
+    scope: list[str] = typer.Option(["write"], "--scope", help="read | write | admin (repeatable)."),
+    name: str = typer.Option("", "--name", help="A label for the key."),
+) -> None:
+    """Create an API key and print its secret (shown once; only its hash is stored)."""
+    try:
+        with session_scope(_sessions()) as s:
+            row, secret = repo.create_key(s, owner, scope, name)
+            prefix = row.prefix
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(secret)
+    typer.echo(f"created key {prefix} for owner {owner!r} with scopes {sorted(scope)}; store the secret now, "
+               "it is not shown again", err=True)
+
+
+@app.command("list-keys")
+def list_keys() -> None:
+    """List keys (prefix, owner, scopes, revoked)."""
+    with session_scope(_sessions()) as s:
+        for key, owner in s.execute(sa.select(ApiKey, Owner.name).join(Owner)).all():
+            state = "revoked" if key.revoked_at else "active"
+            typer.echo(f"{key.prefix}\t{owner}\t{','.join(key.scopes)}\t{state}\t{key.name}")
+
+
+@app.command("revoke-key")
+def revoke_key(prefix: str = typer.Argument(..., help="The key's prefix (second part of the key).")) -> None:
+    """Revoke a key: it stops working at once (and so do its cookies and stream tokens)."""
+    with session_scope(_sessions()) as s:
+        if not repo.revoke_key(s, prefix):
+            typer.echo(f"error: no active key with prefix {prefix!r}", err=True)
+            raise typer.Exit(1)
+    typer.echo(f"revoked {prefix}")
+
+
+@app.command("migrate")
+def migrate() -> None:
+    """Apply every migration (`alembic upgrade head`)."""
+    from api.db import upgrade
+
+    upgrade(get_settings().resolved_database_url())
+    typer.echo("database at head")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

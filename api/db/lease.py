@@ -1,0 +1,437 @@
+"""What the worker writes: claim a job with a lease, heartbeat it, ingest progress, finish, reap.
+
+Every write of a worker is *fenced*: it is a conditional UPDATE on `(id, lease_owner, attempt)`, so a
+supervisor whose lease was taken away (the reaper requeued its job, another worker claimed it) changes
+nothing and learns so from `LeaseLost`. A claim is `UPDATE job SET status='running' ... WHERE status =
+'queued'`: of two workers that receive the same job, exactly one gets the row.
+
+Sequence numbers (`event_seq`, `metric_seq`, `log_seq` on the job row) are reserved by incrementing them in
+the same transaction as the inserts, so the API's own events interleave safely.
+
+    lease = claim_job(session, job_id, owner="host:pid:abc", lease_seconds=60)   # None: not claimable
+    heartbeat(session, lease, lease_seconds=60)         # -> JobControl(status, desired_state)
+    ingest(session, lease, batch)                      # metrics/events/logs/checkpoints/progress
+    finish(session, lease, status="succeeded")
+    reap_lapsed(session)                               # reaper: requeue or fail jobs whose lease lapsed
+
+No FastAPI here; no torch. Functions take a `Session` and leave commit to the caller (`session_scope`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from api.db import states
+from api.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, utcnow
+
+__all__ = [
+    "Batch",
+    "JobControl",
+    "Lease",
+    "LeaseLost",
+    "ReapAction",
+    "add_job_event",
+    "claim_job",
+    "dataset_files",
+    "expire_lease",
+    "finish",
+    "heartbeat",
+    "ingest",
+    "queued_jobs",
+    "reap_lapsed",
+    "requeue_or_fail",
+    "unsent_queued_jobs",
+]
+
+#: Statuses in which a worker holds the job's lease.
+LEASED = (states.RUNNING, states.PAUSING, states.CANCELLING)
+
+
+class LeaseLost(Exception):
+    """The job's lease is no longer ours (requeued by the reaper, or finished by someone else)."""
+
+    code = "lease_lost"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claim on a job: `owner` + `attempt` are the fencing token of every later write.
+
+    `metric_floor` is the highest metric step stored before this attempt: a resumed trainer replays the
+    steps after its checkpoint, and records with `step <= metric_floor` are dropped (no duplicates).
+    """
+
+    job_id: str
+    owner: str
+    attempt: int
+    metric_floor: int | None
+    queue: str
+    spec: dict[str, Any]
+    max_restarts: int
+    latest_checkpoint_step: int | None
+
+
+@dataclass(frozen=True)
+class JobControl:
+    """What the supervisor learns from a heartbeat: the job's status and the user's desired state."""
+
+    status: str
+    desired_state: str | None
+
+
+@dataclass
+class Batch:
+    """Progress records to write in one transaction (built by the supervisor from the JSON lines)."""
+
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # {step, epoch, values, time}
+    events: list[dict[str, Any]] = field(default_factory=list)  # {kind, phase, message, data, time}
+    logs: list[dict[str, Any]] = field(default_factory=list)  # {level, message, time}
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # {step, dir, files, metrics, is_best}
+    missing_checkpoint_steps: list[int] = field(default_factory=list)  # deleted by keep_last
+    progress: dict[str, Any] | None = None
+    phase: str | None = None
+    resolved_spec: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.metrics
+            or self.events
+            or self.logs
+            or self.checkpoints
+            or self.missing_checkpoint_steps
+            or self.progress is not None
+            or self.phase is not None
+            or self.resolved_spec is not None
+            or self.provenance is not None
+        )
+
+
+def _fence(lease: Lease) -> sa.ColumnElement[bool]:
+    return sa.and_(Job.id == lease.job_id, Job.lease_owner == lease.owner, Job.attempt == lease.attempt)
+
+
+def _reserve(session: Session, where: sa.ColumnElement[bool], values: dict[str, Any], *, events: int = 0,
+             metrics: int = 0, logs: int = 0) -> tuple[int, int, int] | None:
+    """Conditional UPDATE that also reserves sequence numbers; returns the new last (event, metric, log)."""
+    stmt = (
+        sa.update(Job)
+        .where(where)
+        .values(
+            event_seq=Job.event_seq + events,
+            metric_seq=Job.metric_seq + metrics,
+            log_seq=Job.log_seq + logs,
+            **values,
+        )
+        .returning(Job.event_seq, Job.metric_seq, Job.log_seq)
+        .execution_options(synchronize_session=False)
+    )
+    row = session.execute(stmt).first()
+    return None if row is None else (int(row[0]), int(row[1]), int(row[2]))
+
+
+def add_job_event(session: Session, job_id: str, *, kind: str, message: str, attempt: int,
+                  phase: str | None = None, data: dict[str, Any] | None = None,
+                  now: datetime | None = None) -> int:
+    """Append one event to a job outside any lease (reaper); returns its seq."""
+    now = now or utcnow()
+    seqs = _reserve(session, Job.id == job_id, {"updated_at": now}, events=1)
+    if seqs is None:
+        raise LookupError(f"job {job_id} not found")
+    session.execute(
+        sa.insert(JobEvent),
+        [{"job_id": job_id, "seq": seqs[0], "time": now, "attempt": attempt, "kind": kind, "phase": phase,
+          "message": message, "data": data or {}}],
+    )
+    return seqs[0]
+
+
+def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float, artifact_dir: str,
+              now: datetime | None = None) -> Lease | None:
+    """Take a queued job: `queued -> running` with a fresh lease. None if it is not claimable.
+
+    A job that is not `queued` (cancelled or paused while queued, already running under a live lease,
+    terminal) is never claimed: the second of two workers given the same job gets None.
+    """
+    now = now or utcnow()
+    stmt = (
+        sa.update(Job)
+        .where(Job.id == job_id, Job.status == states.QUEUED)
+        .values(
+            status=states.RUNNING,
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            heartbeat_at=now,
+            started_at=sa.func.coalesce(Job.started_at, now),
+            finished_at=None,
+            desired_state=None,
+            error_code=None,
+            error_message=None,
+            error_retryable=None,
+            artifact_dir=artifact_dir,
+            updated_at=now,
+        )
+        .returning(Job.attempt, Job.queue, Job.spec, Job.max_restarts, Job.latest_checkpoint_step)
+        .execution_options(synchronize_session=False)
+    )
+    row = session.execute(stmt).first()
+    if row is None:
+        return None
+    floor = session.execute(sa.select(sa.func.max(JobMetric.step)).where(JobMetric.job_id == job_id)).scalar()
+    return Lease(
+        job_id=job_id, owner=owner, attempt=int(row[0]), metric_floor=None if floor is None else int(floor),
+        queue=str(row[1]), spec=dict(row[2]), max_restarts=int(row[3]),
+        latest_checkpoint_step=None if row[4] is None else int(row[4]),
+    )
+
+
+def dataset_files(session: Session, job_id: str, dataset_ids: list[str]) -> dict[str, str]:
+    """Local file of each uploaded dataset the job's owner has among `dataset_ids` (`dataset:<id>` sources)."""
+    if not dataset_ids:
+        return {}
+    owner = sa.select(Job.owner_id).where(Job.id == job_id).scalar_subquery()
+    rows = session.execute(
+        sa.select(Dataset.id, Dataset.path).where(Dataset.id.in_(dataset_ids), Dataset.owner_id == owner)
+    ).all()
+    return {str(r[0]): str(r[1]) for r in rows}
+
+
+def heartbeat(session: Session, lease: Lease, *, lease_seconds: float, now: datetime | None = None) -> JobControl:
+    """Extend the lease; return the job's status and desired state (cancel/pause requests).
+
+    Raises:
+        LeaseLost: the lease is no longer ours.
+    """
+    now = now or utcnow()
+    stmt = (
+        sa.update(Job)
+        .where(_fence(lease), Job.status.in_(LEASED))
+        .values(heartbeat_at=now, lease_expires_at=now + timedelta(seconds=lease_seconds))
+        .returning(Job.status, Job.desired_state)
+        .execution_options(synchronize_session=False)
+    )
+    row = session.execute(stmt).first()
+    if row is None:
+        raise LeaseLost(f"job {lease.job_id}: lease of {lease.owner} (attempt {lease.attempt}) is gone")
+    return JobControl(status=str(row[0]), desired_state=row[1])
+
+
+def expire_lease(session: Session, lease: Lease, *, now: datetime | None = None) -> bool:
+    """Mark the lease lapsed now (the trainer crashed): the reaper requeues the job on its next pass."""
+    now = now or utcnow()
+    res = session.execute(
+        sa.update(Job).where(_fence(lease), Job.status.in_(LEASED)).values(lease_expires_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(res, "rowcount", 0))
+
+
+def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None = None) -> tuple[int, int, int]:
+    """Write one batch of progress in one transaction; returns the job's last (event, metric, log) seqs.
+
+    Metrics with `step <= lease.metric_floor` (replayed by a resumed attempt) are dropped. Checkpoints are
+    upserted by step; the job's `latest_checkpoint_step`/`best_checkpoint_step` follow them.
+
+    Raises:
+        LeaseLost: the lease is no longer ours (nothing was written).
+    """
+    now = now or utcnow()
+    floor = lease.metric_floor
+    metrics = [m for m in batch.metrics if floor is None or int(m["step"]) > floor]
+    values: dict[str, Any] = {"updated_at": now}
+    if batch.progress is not None:
+        values["progress"] = batch.progress
+    if batch.phase is not None:
+        values["phase"] = batch.phase
+    if batch.resolved_spec is not None:
+        values["resolved_spec"] = batch.resolved_spec
+    if batch.provenance is not None:
+        values["provenance"] = batch.provenance
+    if batch.checkpoints:
+        values["latest_checkpoint_step"] = max(int(c["step"]) for c in batch.checkpoints)
+        best = [int(c["step"]) for c in batch.checkpoints if c.get("is_best")]
+        if best:
+            values["best_checkpoint_step"] = best[-1]
+    seqs = _reserve(session, sa.and_(_fence(lease), Job.status.in_(LEASED)), values,
+                    events=len(batch.events), metrics=len(metrics), logs=len(batch.logs))
+    if seqs is None:
+        raise LeaseLost(f"job {lease.job_id}: lease of {lease.owner} (attempt {lease.attempt}) is gone")
+    ev_last, me_last, lo_last = seqs
+    jid, att = lease.job_id, lease.attempt
+    if batch.events:
+        first = ev_last - len(batch.events) + 1
+        session.execute(sa.insert(JobEvent), [
+            {"job_id": jid, "seq": first + i, "time": e.get("time") or now, "attempt": att, "kind": e["kind"],
+             "phase": e.get("phase"), "message": e.get("message") or "", "data": e.get("data") or {}}
+            for i, e in enumerate(batch.events)
+        ])
+    if metrics:
+        first = me_last - len(metrics) + 1
+        session.execute(sa.insert(JobMetric), [
+            {"job_id": jid, "seq": first + i, "step": int(m["step"]), "time": m.get("time") or now, "attempt": att,
+             "epoch": m.get("epoch"), "values": m["values"]}
+            for i, m in enumerate(metrics)
+        ])
+    if batch.logs:
+        first = lo_last - len(batch.logs) + 1
+        session.execute(sa.insert(JobLog), [
+            {"job_id": jid, "seq": first + i, "time": g.get("time") or now, "attempt": att,
+             "level": g.get("level") or "info", "message": g.get("message") or ""}
+            for i, g in enumerate(batch.logs)
+        ])
+    for ck in batch.checkpoints:
+        _upsert_checkpoint(session, lease, ck, now)
+    if batch.missing_checkpoint_steps:
+        session.execute(
+            sa.update(Checkpoint)
+            .where(Checkpoint.job_id == jid, Checkpoint.step.in_(batch.missing_checkpoint_steps))
+            .values(complete=False)
+            .execution_options(synchronize_session=False)
+        )
+    return seqs
+
+
+def _upsert_checkpoint(session: Session, lease: Lease, ck: dict[str, Any], now: datetime) -> None:
+    step = int(ck["step"])
+    fields = {"dir": str(ck["dir"]), "metrics": ck.get("metrics") or {}, "files": ck.get("files") or [],
+              "complete": True, "is_best": bool(ck.get("is_best")), "attempt": lease.attempt}
+    if fields["is_best"]:
+        session.execute(
+            sa.update(Checkpoint).where(Checkpoint.job_id == lease.job_id, Checkpoint.step != step)
+            .values(is_best=False).execution_options(synchronize_session=False)
+        )
+    res = session.execute(
+        sa.update(Checkpoint).where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step)
+        .values(**fields).execution_options(synchronize_session=False)
+    )
+    if not getattr(res, "rowcount", 0):
+        session.execute(sa.insert(Checkpoint), [{"job_id": lease.job_id, "step": step, "created_at": now, **fields}])
+
+
+def finish(session: Session, lease: Lease, *, status: str, error_code: str | None = None,
+           error_message: str | None = None, retryable: bool | None = None,
+           event: tuple[str, str] | None = None, now: datetime | None = None) -> bool:
+    """End this attempt: move the job to `status` (terminal, `paused`, or `queued`) and drop the lease.
+
+    `event` = (kind, message) is appended in the same transaction. Returns False (and writes nothing)
+    when the lease was lost or the transition is illegal from the job's current status.
+    """
+    now = now or utcnow()
+    current = session.execute(sa.select(Job.status).where(_fence(lease))).scalar()
+    if current is None or not states.can_transition(current, status):
+        return False
+    values: dict[str, Any] = {
+        "status": status, "lease_owner": None, "lease_expires_at": None, "desired_state": None,
+        "updated_at": now, "error_code": error_code, "error_message": error_message,
+        "error_retryable": retryable,
+    }
+    if status in states.TERMINAL:
+        values["finished_at"] = now
+    if status == states.QUEUED:
+        values["queued_at"] = now
+        values["celery_task_id"] = None
+    seqs = _reserve(session, sa.and_(_fence(lease), Job.status == current), values, events=1 if event else 0)
+    if seqs is None:
+        return False
+    if event:
+        session.execute(sa.insert(JobEvent), [
+            {"job_id": lease.job_id, "seq": seqs[0], "time": now, "attempt": lease.attempt, "kind": event[0],
+             "phase": None, "message": event[1], "data": {"status": status}}
+        ])
+    return True
+
+
+@dataclass(frozen=True)
+class ReapAction:
+    """What the reaper (or a supervisor after a crash) did with a job whose attempt died."""
+
+    job_id: str
+    queue: str
+    status: str  # queued (requeued), failed, paused, cancelled
+    attempt: int
+    message: str
+
+
+def requeue_or_fail(session: Session, job: Job, *, reason: str, code: str = "worker_lost",
+                    now: datetime | None = None) -> ReapAction | None:
+    """Move a job whose attempt died to its next state, conditional on its lease being unchanged.
+
+    running -> queued with attempt+1 (resumes from its last complete checkpoint), or failed with `code`
+    once `max_restarts` requeues were used; pausing -> paused; cancelling -> cancelled.
+    Returns None if someone else changed the job first.
+    """
+    now = now or utcnow()
+    ck = job.latest_checkpoint_step
+    where = sa.and_(Job.id == job.id, Job.status == job.status, Job.attempt == job.attempt,
+                    (Job.lease_owner == job.lease_owner) if job.lease_owner is not None else Job.lease_owner.is_(None))
+    base: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
+    if job.status == states.CANCELLING:
+        status, attempt, kind = states.CANCELLED, job.attempt, "cancelled"
+        message = f"cancelled ({reason})"
+        base.update(finished_at=now, desired_state=None)
+    elif job.status == states.PAUSING:
+        status, attempt, kind = states.PAUSED, job.attempt, "paused"
+        where_from = f"checkpoint step {ck}" if ck is not None else "the start (no complete checkpoint)"
+        message = f"paused ({reason}); resume continues from {where_from}"
+        base.update(desired_state=None)
+    elif job.attempt < job.max_restarts:
+        status, attempt, kind = states.QUEUED, job.attempt + 1, "resumed"
+        where_from = f"checkpoint step {ck}" if ck is not None else "the start (no complete checkpoint yet)"
+        message = f"resumed from {where_from} (attempt {attempt}): {reason}"
+        base.update(attempt=attempt, queued_at=now, celery_task_id=None, phase=None)
+    else:
+        status, attempt, kind = states.FAILED, job.attempt, "error"
+        message = f"{reason}; gave up after {job.attempt} restart(s) (max_restarts={job.max_restarts})"
+        base.update(finished_at=now, error_code=code, error_message=message, error_retryable=True,
+                    desired_state=None)
+    seqs = _reserve(session, where, {"status": status, **base}, events=1)
+    if seqs is None:
+        return None
+    session.execute(sa.insert(JobEvent), [
+        {"job_id": job.id, "seq": seqs[0], "time": now, "attempt": attempt, "kind": kind, "phase": None,
+         "message": message, "data": {"status": status, "checkpoint_step": ck, "reason": reason}}
+    ])
+    return ReapAction(job_id=job.id, queue=job.queue, status=status, attempt=attempt, message=message)
+
+
+def reap_lapsed(session: Session, *, now: datetime | None = None, limit: int = 100) -> list[ReapAction]:
+    """Requeue (or fail) every job whose lease expired; safe to run from several reapers at once."""
+    now = now or utcnow()
+    jobs = session.execute(
+        sa.select(Job).where(Job.status.in_(LEASED), Job.lease_expires_at < now).order_by(Job.id).limit(limit)
+    ).scalars().all()
+    actions = []
+    for job in jobs:
+        lapsed = (now - job.heartbeat_at).total_seconds() if job.heartbeat_at else None
+        reason = f"worker lost: no heartbeat for {lapsed:.0f} s" if lapsed is not None else "worker lost"
+        act = requeue_or_fail(session, job, reason=reason, now=now)
+        if act is not None:
+            actions.append(act)
+    return actions
+
+
+def queued_jobs(session: Session, queues: list[str], *, limit: int = 1000) -> list[tuple[str, str]]:
+    """(id, queue) of every queued job on `queues`, oldest first."""
+    rows = session.execute(
+        sa.select(Job.id, Job.queue).where(Job.status == states.QUEUED, Job.queue.in_(queues))
+        .order_by(Job.id).limit(limit)
+    ).all()
+    return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def unsent_queued_jobs(session: Session, *, older_than: float, now: datetime | None = None,
+                       limit: int = 100) -> list[tuple[str, str]]:
+    """Queued jobs with no broker message recorded (`celery_task_id` null) for `older_than` seconds."""
+    now = now or utcnow()
+    rows = session.execute(
+        sa.select(Job.id, Job.queue).where(
+            Job.status == states.QUEUED, Job.celery_task_id.is_(None),
+            Job.queued_at < now - timedelta(seconds=older_than),
+        ).order_by(Job.id).limit(limit)
+    ).all()
+    return [(str(r[0]), str(r[1])) for r in rows]

@@ -1,0 +1,251 @@
+"""SQLAlchemy 2 models of the service (the schema itself is created ONLY by Alembic migrations).
+
+Tables and column names are a cross-area contract (`service_contract.md`): the API, the worker's
+lease/ingest code (`api/db/lease.py`) and the migrations all use them. Timestamps are timezone-aware
+UTC (`UTCDateTime` restores the zone on SQLite, which stores naive values).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+__all__ = [
+    "ApiKey",
+    "Base",
+    "Checkpoint",
+    "Dataset",
+    "Job",
+    "JobEvent",
+    "JobLog",
+    "JobMetric",
+    "Owner",
+    "UTCDateTime",
+    "new_id",
+    "utcnow",
+]
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def utcnow() -> datetime:
+    """Timezone-aware current UTC time."""
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    """A sortable id `<prefix>_<26 Crockford base32 chars>` (48-bit ms time + 80 random bits, ULID-like).
+
+    Ids created later sort after earlier ones (to the millisecond), so `ORDER BY id` is creation order
+    and an id is a stable pagination cursor.
+    """
+    value = (int(time.time() * 1000) << 80) | secrets.randbits(80)
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return f"{prefix}_{''.join(reversed(chars))}"
+
+
+class UTCDateTime(sa.types.TypeDecorator[datetime]):
+    """`DateTime(timezone=True)` that always returns aware UTC datetimes (SQLite stores naive ones)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        if value is not None and dialect.name == "sqlite":
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    """Declarative base with explicit constraint names (stable across SQLite and PostgreSQL)."""
+
+    metadata = sa.MetaData(
+        naming_convention={
+            "ix": "ix_%(column_0_label)s",
+            "uq": "uq_%(table_name)s_%(column_0_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: sa.JSON, list[Any]: sa.JSON}
+
+
+class Owner(Base):
+    """A tenant: every job, dataset and key belongs to one owner."""
+
+    __tablename__ = "owner"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(sa.String(200), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="owner", lazy="raise")
+
+
+class ApiKey(Base):
+    """An API key: `pk_<prefix>_<secret>`; only sha256 of the whole key is stored."""
+
+    __tablename__ = "api_key"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(sa.String(200), default="")
+    prefix: Mapped[str] = mapped_column(sa.String(32), unique=True)
+    secret_hash: Mapped[str] = mapped_column(sa.String(64))
+    scopes: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    owner: Mapped[Owner] = relationship(back_populates="keys", lazy="joined")
+
+
+class Job(Base):
+    """A training job. Status transitions live in `api.db.states`; sequences in `*_seq` are last-used."""
+
+    __tablename__ = "job"
+    __table_args__ = (
+        sa.UniqueConstraint("owner_id", "idempotency_key", name="uq_job_owner_id_idempotency_key"),
+        sa.Index("ix_job_owner_id_id", "owner_id", "id"),
+        sa.Index("ix_job_owner_id_status", "owner_id", "status"),
+        sa.Index("ix_job_status_queue", "status", "queue"),
+    )
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("job"))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(sa.String(200), default="")
+    tags: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    spec: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    resolved_spec: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, default=None)
+    status: Mapped[str] = mapped_column(sa.String(16), default="queued")
+    phase: Mapped[str | None] = mapped_column(sa.String(32), default=None)
+    desired_state: Mapped[str | None] = mapped_column(sa.String(16), default=None)
+    progress: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+    attempt: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    max_restarts: Mapped[int] = mapped_column(sa.Integer, default=2, server_default="2")
+    queue: Mapped[str] = mapped_column(sa.String(64), default="cpu")
+    celery_task_id: Mapped[str | None] = mapped_column(sa.String(64), default=None)
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(200), default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    error_code: Mapped[str | None] = mapped_column(sa.String(64), default=None)
+    error_message: Mapped[str | None] = mapped_column(sa.Text, default=None)
+    error_retryable: Mapped[bool | None] = mapped_column(sa.Boolean, default=None)
+    idempotency_key: Mapped[str | None] = mapped_column(sa.String(200), default=None)
+    body_hash: Mapped[str | None] = mapped_column(sa.String(64), default=None)
+    idempotency_response: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, default=None)
+    artifact_dir: Mapped[str | None] = mapped_column(sa.String(1024), default=None)
+    provenance: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, default=None)
+    best_checkpoint_step: Mapped[int | None] = mapped_column(sa.Integer, default=None)
+    latest_checkpoint_step: Mapped[int | None] = mapped_column(sa.Integer, default=None)
+    event_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    metric_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    log_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    queued_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class JobEvent(Base):
+    """One event of a job (phase change, checkpoint, eval, warning, error, API actions)."""
+
+    __tablename__ = "job_event"
+    __table_args__ = (sa.UniqueConstraint("job_id", "seq", name="uq_job_event_job_id_seq"),)
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("job.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(sa.Integer)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    attempt: Mapped[int] = mapped_column(sa.Integer, default=0)
+    kind: Mapped[str] = mapped_column(sa.String(32))
+    phase: Mapped[str | None] = mapped_column(sa.String(32), default=None)
+    message: Mapped[str] = mapped_column(sa.Text, default="")
+    data: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+
+
+class JobMetric(Base):
+    """One metric record (`values` = {key: float}) at a training step."""
+
+    __tablename__ = "job_metric"
+    __table_args__ = (
+        sa.UniqueConstraint("job_id", "seq", name="uq_job_metric_job_id_seq"),
+        sa.Index("ix_job_metric_job_id_step", "job_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("job.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(sa.Integer)
+    step: Mapped[int] = mapped_column(sa.Integer)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    attempt: Mapped[int] = mapped_column(sa.Integer, default=0)
+    epoch: Mapped[float | None] = mapped_column(sa.Float, default=None)
+    values: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+
+
+class JobLog(Base):
+    """One log line of a job."""
+
+    __tablename__ = "job_log"
+    __table_args__ = (sa.UniqueConstraint("job_id", "seq", name="uq_job_log_job_id_seq"),)
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("job.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(sa.Integer)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    attempt: Mapped[int] = mapped_column(sa.Integer, default=0)
+    level: Mapped[str] = mapped_column(sa.String(16), default="info")
+    message: Mapped[str] = mapped_column(sa.Text, default="")
+
+
+class Checkpoint(Base):
+    """A checkpoint directory of a job (`dir` relative to the job's artifact_dir)."""
+
+    __tablename__ = "checkpoint"
+    __table_args__ = (sa.UniqueConstraint("job_id", "step", name="uq_checkpoint_job_id_step"),)
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("job.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(sa.Integer)
+    dir: Mapped[str] = mapped_column(sa.String(1024))
+    metrics: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+    files: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    complete: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    is_best: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    attempt: Mapped[int] = mapped_column(sa.Integer, default=0)
+
+
+class Dataset(Base):
+    """An uploaded dataset file and its validation report."""
+
+    __tablename__ = "dataset"
+    __table_args__ = (sa.Index("ix_dataset_owner_id_id", "owner_id", "id"),)
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("ds"))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(sa.String(512))
+    path: Mapped[str] = mapped_column(sa.String(1024))
+    size: Mapped[int] = mapped_column(sa.BigInteger)
+    sha256: Mapped[str] = mapped_column(sa.String(64))
+    format: Mapped[str] = mapped_column(sa.String(32), default="unknown")
+    status: Mapped[str] = mapped_column(sa.String(16), default="validating")
+    report: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,259 @@
+"""Database operations of the API (sync SQLAlchemy 2; FastAPI runs them in its threadpool).
+
+Keys: `peagle_<prefix>_<secret>`; the prefix (16 hex chars) is the unique lookup column and only
+sha256(whole key) is stored, compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from api.db import states
+from api.db.models import ApiKey, Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
+
+__all__ = [
+    "SCOPES",
+    "Principal",
+    "add_job_event",
+    "authenticate",
+    "create_key",
+    "get_or_create_owner",
+    "hash_key",
+    "list_jobs",
+    "owner_counts",
+    "read_rows",
+]
+
+SCOPES = ("read", "write", "admin")
+_IMPLIED = {"admin": {"read", "write", "admin"}, "write": {"read", "write"}, "read": {"read"}}
+ROW_MODELS: dict[str, Any] = {"events": JobEvent, "metrics": JobMetric, "logs": JobLog}
+SEQ_COLUMNS = {"events": "event_seq", "metrics": "metric_seq", "logs": "log_seq"}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: owner id/name, key id and the effective scopes."""
+
+    owner_id: int
+    owner_name: str
+    key_id: int
+    scopes: frozenset[str]
+
+    def has(self, scope: str) -> bool:
+        return scope in self.scopes
+
+
+def hash_key(key: str) -> str:
+    """sha256 hex of a whole API key (keys carry 256 random bits, so a fast hash is enough)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def get_or_create_owner(session: Session, name: str) -> Owner:
+    """The owner called `name`, created if missing."""
+    owner = session.scalar(sa.select(Owner).where(Owner.name == name))
+    if owner is None:
+        owner = Owner(name=name)
+        session.add(owner)
+        session.flush()
+    return owner
+
+
+def create_key(session: Session, owner_name: str, scopes: list[str], name: str = "") -> tuple[ApiKey, str]:
+    """Create a key for `owner_name` (owner created if missing). Returns (row, secret shown once)."""
+    bad = [s for s in scopes if s not in SCOPES]
+    if bad or not scopes:
+        raise ValueError(f"scopes must be a non-empty subset of {list(SCOPES)}, got {scopes}")
+    owner = get_or_create_owner(session, owner_name)
+    prefix = secrets.token_hex(8)
+    secret = f"peagle_{prefix}_{secrets.token_urlsafe(32)}"
+    row = ApiKey(owner_id=owner.id, name=name, prefix=prefix, secret_hash=hash_key(secret), scopes=sorted(scopes))
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def parse_key(key: str) -> str | None:
+    """The prefix of a well-formed key, else None."""
+    parts = key.split("_", 2)
+    if len(parts) != 3 or parts[0] != "peagle" or len(parts[1]) != 16:
+        return None
+    return parts[1]
+
+
+def authenticate(session: Session, key: str, *, touch_after_s: float = 60.0) -> Principal | None:
+    """Principal for a presented key, or None (unknown, malformed, wrong secret or revoked)."""
+    prefix = parse_key(key)
+    if prefix is None:
+        return None
+    row = session.scalar(sa.select(ApiKey).where(ApiKey.prefix == prefix))
+    if row is None or row.revoked_at is not None:
+        return None
+    if not hmac.compare_digest(row.secret_hash, hash_key(key)):
+        return None
+    now = utcnow()
+    if row.last_used_at is None or (now - row.last_used_at).total_seconds() > touch_after_s:
+        session.execute(sa.update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now))
+        session.commit()
+    scopes: set[str] = set()
+    for s in row.scopes or []:
+        scopes |= _IMPLIED.get(s, set())
+    return Principal(row.owner_id, row.owner.name, row.id, frozenset(scopes))
+
+
+def revoke_key(session: Session, prefix: str) -> bool:
+    """Revoke the key with `prefix`; False if there is none."""
+    res = session.execute(
+        sa.update(ApiKey).where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None)).values(revoked_at=utcnow())
+    )
+    return bool(res.rowcount)
+
+
+def get_job(session: Session, owner_id: int, job_id: str, *, lock: bool = False) -> Job | None:
+    """The owner's job (None for another owner's job: the API answers 404 for both)."""
+    q = sa.select(Job).where(Job.id == job_id, Job.owner_id == owner_id)
+    if lock:
+        q = q.with_for_update()
+    return session.scalar(q)
+
+
+def owner_counts(session: Session, owner_id: int) -> dict[str, int]:
+    """Number of the owner's jobs per status (non-terminal ones only)."""
+    rows = session.execute(
+        sa.select(Job.status, sa.func.count())
+        .where(Job.owner_id == owner_id, Job.status.not_in(tuple(states.TERMINAL)))
+        .group_by(Job.status)
+    ).all()
+    return {status: n for status, n in rows}
+
+
+def queue_position(session: Session, queue: str, job_id: str | None = None) -> int:
+    """Jobs queued on `queue` ahead of `job_id` (all queued jobs when `job_id` is None)."""
+    q = sa.select(sa.func.count()).select_from(Job).where(Job.status == states.QUEUED, Job.queue == queue)
+    if job_id is not None:
+        q = q.where(Job.id < job_id)
+    return int(session.scalar(q) or 0)
+
+
+def add_job_event(
+    session: Session, job: Job, kind: str, message: str, *, data: dict[str, Any] | None = None
+) -> JobEvent:
+    """Append one API-side event (seq assigned by `UPDATE job SET event_seq = event_seq + 1`)."""
+    seq = session.scalar(
+        sa.update(Job).where(Job.id == job.id).values(event_seq=Job.event_seq + 1).returning(Job.event_seq)
+    )
+    ev = JobEvent(
+        job_id=job.id, seq=int(seq or 0), attempt=job.attempt, kind=kind, phase=job.phase,
+        message=message, data=data or {},
+    )
+    session.add(ev)
+    job.event_seq = int(seq or 0)
+    return ev
+
+
+def _tag_filter(session: Session, tag: str) -> sa.ColumnElement[bool]:
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import JSONB
+
+        return sa.cast(Job.tags, JSONB).contains(sa.func.jsonb_build_array(tag))
+    each = sa.func.json_each(Job.tags).table_valued("value")
+    return sa.exists(sa.select(1).select_from(each).where(each.c.value == tag))
+
+
+def list_jobs(
+    session: Session,
+    owner_id: int,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    statuses: list[str] | None = None,
+    tag: str | None = None,
+    created_after: datetime | None = None,
+    q: str | None = None,
+) -> tuple[list[Job], bool]:
+    """A page of the owner's jobs, newest first; `after` is the last id of the previous page."""
+    cols = [c for c in Job.__table__.columns if c.name not in ("spec", "resolved_spec", "provenance",
+                                                               "idempotency_response")]
+    stmt = sa.select(*cols).where(Job.owner_id == owner_id)
+    if after:
+        stmt = stmt.where(Job.id < after)
+    if statuses:
+        stmt = stmt.where(Job.status.in_(statuses))
+    if tag:
+        stmt = stmt.where(_tag_filter(session, tag))
+    if created_after is not None:
+        stmt = stmt.where(Job.created_at > created_after)
+    if q:
+        stmt = stmt.where(Job.name.icontains(q, autoescape=True))
+    rows = session.execute(stmt.order_by(Job.id.desc()).limit(limit + 1)).mappings().all()
+    return [dict(r) for r in rows[:limit]], len(rows) > limit  # type: ignore[misc]
+
+
+def read_rows(
+    session: Session,
+    kind: str,
+    job_id: str,
+    *,
+    after: int = 0,
+    limit: int = 500,
+    step_from: int | None = None,
+    step_to: int | None = None,
+) -> list[Any]:
+    """Rows of `kind` (`events|metrics|logs`) with seq > `after`, ascending, at most `limit`."""
+    model = ROW_MODELS[kind]
+    stmt = sa.select(model).where(model.job_id == job_id, model.seq > after)
+    if kind == "metrics":
+        if step_from is not None:
+            stmt = stmt.where(model.step >= step_from)
+        if step_to is not None:
+            stmt = stmt.where(model.step <= step_to)
+    return list(session.scalars(stmt.order_by(model.seq).limit(limit)))
+
+
+def tail_logs(session: Session, job_id: str, n: int) -> list[JobLog]:
+    """The last `n` log lines, ascending."""
+    rows = session.scalars(
+        sa.select(JobLog).where(JobLog.job_id == job_id).order_by(JobLog.seq.desc()).limit(n)
+    ).all()
+    return list(reversed(rows))
+
+
+def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
+    """Complete checkpoints of a job, ascending by step."""
+    return list(
+        session.scalars(
+            sa.select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.complete.is_(True))
+            .order_by(Checkpoint.step)
+        )
+    )
+
+
+def get_checkpoint(session: Session, job_id: str, step: int) -> Checkpoint | None:
+    """A complete checkpoint of a job by step."""
+    return session.scalar(
+        sa.select(Checkpoint).where(
+            Checkpoint.job_id == job_id, Checkpoint.step == step, Checkpoint.complete.is_(True)
+        )
+    )
+
+
+def owner_upload_bytes(session: Session, owner_id: int) -> int:
+    """Total bytes of the owner's uploaded datasets."""
+    return int(session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Dataset.size), 0))
+                              .where(Dataset.owner_id == owner_id)) or 0)
+
+
+def list_datasets(session: Session, owner_id: int, after: str | None, limit: int) -> tuple[list[Dataset], bool]:
+    """A page of the owner's datasets, newest first."""
+    stmt = sa.select(Dataset).where(Dataset.owner_id == owner_id)
+    if after:
+        stmt = stmt.where(Dataset.id < after)
+    rows = list(session.scalars(stmt.order_by(Dataset.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,272 @@
+"""FastAPI dependencies: app state, database sessions, authentication and signed browser tokens.
+
+Credentials, in order: `Authorization: Bearer <api key>`; the signed session cookie (`POST /v1/auth/session`);
+and, on streams and downloads only, `?token=` from `POST /v1/auth/stream-token` (EventSource and `<a download>`
+cannot send headers). Tokens are `base64url(json).base64url(hmac_sha256(secret_key, json))` and carry the
+key id, so revoking the key invalidates them.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+from fastapi import Depends, Query, Request, Response
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from api.db import repo
+from api.db.models import ApiKey
+from api.errors import ApiError
+from api.settings import Settings
+
+__all__ = [
+    "SESSION_COOKIE",
+    "AppState",
+    "auth",
+    "get_db",
+    "get_state",
+    "json_ok",
+    "releases_db",
+    "sign_token",
+    "verify_token",
+]
+
+SESSION_COOKIE = "peagle_session"
+AUTH_CACHE_S = 5.0  # API keys are re-checked against the database at least this often
+
+
+@dataclass
+class AppState:
+    """Everything `create_app` builds in its lifespan (no module-level singletons)."""
+
+    settings: Settings
+    engine: sa.Engine
+    sessions: sessionmaker[Session]
+    producer: Any
+    redis: Any = None
+    hub: Any = None
+    metrics: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def get_state(request: Request) -> AppState:
+    """The app's state (built in the lifespan)."""
+    return request.app.state.peagle
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+async def get_db(state: State) -> AsyncIterator[Session]:
+    """A session per request (the handler commits what it writes).
+
+    An async generator on purpose: its teardown (returning the connection to the pool) runs on the event
+    loop, not in a threadpool thread. A sync teardown would need a free thread while every thread may be
+    waiting for a pooled connection held by a session waiting for its teardown: a deadlock under load.
+    """
+    session = state.sessions()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+DB = Annotated[Session, Depends(get_db)]
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def sign_token(secret: str, payload: dict[str, Any]) -> str:
+    """Sign a JSON payload (must contain `exp`, unix seconds)."""
+    body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+    mac = hmac.new(secret.encode(), body, hashlib.sha256).digest()
+    return f"{_b64(body)}.{_b64(mac)}"
+
+
+def verify_token(secret: str, token: str, kind: str) -> dict[str, Any] | None:
+    """Payload of a valid, unexpired token of `kind`, else None."""
+    try:
+        body_s, mac_s = token.split(".", 1)
+        body = _unb64(body_s)
+        mac = _unb64(mac_s)
+    except (ValueError, TypeError):
+        return None
+    if not hmac.compare_digest(mac, hmac.new(secret.encode(), body, hashlib.sha256).digest()):
+        return None
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or payload.get("t") != kind or float(payload.get("exp", 0)) < time.time():
+        return None
+    return payload
+
+
+def _principal_from_key_id(session: Session, key_id: int) -> repo.Principal | None:
+    row = session.get(ApiKey, key_id)
+    if row is None or row.revoked_at is not None:
+        return None
+    scopes: set[str] = set()
+    for s in row.scopes or []:
+        scopes |= repo._IMPLIED.get(s, set())
+    return repo.Principal(row.owner_id, row.owner.name, row.id, frozenset(scopes))
+
+
+def _lookup(state: AppState, cache_key: str, load: Callable[[Session], repo.Principal | None]
+            ) -> repo.Principal | None:
+    """Principal from the per-app TTL cache, else from the database (own short session, in a thread)."""
+    ttl = float(state.extra.get("auth_cache_s", AUTH_CACHE_S))
+    cache: dict[str, tuple[repo.Principal | None, float]] = state.extra.setdefault("auth_cache", {})
+    hit = cache.get(cache_key)
+    now = time.monotonic()
+    if hit is not None and hit[1] > now:
+        return hit[0]
+    with state.sessions() as session:
+        principal = load(session)
+        session.commit()
+    if ttl > 0:
+        if len(cache) > 10_000:
+            cache.clear()
+        cache[cache_key] = (principal, now + ttl)
+    return principal
+
+
+async def _authenticate(request: Request, state: AppState, token: str | None) -> repo.Principal:
+    header = request.headers.get("authorization")
+    if header:
+        scheme, _, key = header.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "unauthorized", "Authorization must be 'Bearer <api key>'")
+        cache_key = "b:" + repo.hash_key(key)
+        principal = _cached(state, cache_key)
+        if principal is _MISS:
+            principal = await run_in_threadpool(_lookup, state, cache_key,
+                                                lambda s: repo.authenticate(s, key))
+        if principal is None:
+            raise ApiError(401, "unauthorized", "invalid or revoked API key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return principal  # type: ignore[return-value]
+    secret = state.settings.secret_key
+    for raw, kind in ((token, "stream"), (request.cookies.get(SESSION_COOKIE), "session")):
+        if not raw:
+            continue
+        payload = verify_token(secret, raw, kind)
+        if payload is None:
+            raise ApiError(401, "unauthorized", f"invalid or expired {kind} token")
+        key_id = int(payload.get("k", 0))
+        cache_key = f"k:{key_id}"
+        principal = _cached(state, cache_key)
+        if principal is _MISS:
+            principal = await run_in_threadpool(_lookup, state, cache_key,
+                                                lambda s, k=key_id: _principal_from_key_id(s, k))
+        if principal is None:
+            raise ApiError(401, "unauthorized", "the API key behind this token was revoked")
+        if kind == "stream":
+            return repo.Principal(principal.owner_id, principal.owner_name, principal.key_id,  # type: ignore[union-attr]
+                                  principal.scopes & {"read"})  # type: ignore[union-attr]
+        return principal  # type: ignore[return-value]
+    raise ApiError(401, "unauthorized", "missing credentials: send 'Authorization: Bearer <api key>'",
+                   headers={"WWW-Authenticate": "Bearer"})
+
+
+_MISS: Any = object()
+
+
+def _cached(state: AppState, cache_key: str) -> Any:
+    hit = state.extra.get("auth_cache", {}).get(cache_key)
+    if hit is not None and hit[1] > time.monotonic():
+        return hit[0]
+    return _MISS
+
+
+def _enc(obj: Any) -> Any:
+    if isinstance(obj, datetime):
+        return obj.isoformat().replace("+00:00", "Z")
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def jsonable(data: Any) -> Any:
+    """`data` with datetimes as ISO strings (`Z` for UTC), exactly as `json_ok` writes them."""
+    return json.loads(json.dumps(data, default=_enc))
+
+
+def json_ok(data: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response built without a second validation pass (hot paths; shapes match the models)."""
+    body = json.dumps(data, default=_enc, separators=(",", ":"), allow_nan=False).encode()
+    return Response(body, status_code=status_code, headers=headers, media_type="application/json")
+
+
+def releases_db(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Close the handler's session as soon as it returns (before FastAPI serializes in another thread).
+
+    Sync handlers and their response serialization run in different threadpool threads; a pooled
+    connection must never be held across that hop (threads <= connections is not enough otherwise).
+    Handlers commit their writes and return plain data (no ORM objects).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            session = kwargs.get("session")
+            if session is not None:
+                session.close()
+
+    return wrapper
+
+
+def auth(scope: str, *, allow_token: bool = False) -> Callable[..., Any]:
+    """Dependency: the caller, required to hold `scope` (403 otherwise).
+
+    Async and database-free on a cache hit (keys are cached per app for `AUTH_CACHE_S` seconds, so a
+    revocation takes effect within that time); a miss looks the key up in a threadpool thread with its
+    own short session, so no pooled connection is held across thread hops.
+
+    Args:
+        scope: `read`, `write` or `admin`.
+        allow_token: also accept `?token=` (streams and downloads).
+    """
+    if allow_token:
+
+        async def dep_token(
+            request: Request,
+            state: State,
+            token: Annotated[str | None, Query(description="Short-lived stream token (browsers).")] = None,
+        ) -> repo.Principal:
+            return _check(await _authenticate(request, state, token), scope)
+
+        return dep_token
+
+    async def dep(request: Request, state: State) -> repo.Principal:
+        return _check(await _authenticate(request, state, None), scope)
+
+    return dep
+
+
+def _check(principal: repo.Principal, scope: str) -> repo.Principal:
+    if not principal.has(scope):
+        raise ApiError(403, "forbidden", f"this key lacks the '{scope}' scope")
+    return principal
+
+
+Reader = Annotated[repo.Principal, Depends(auth("read"))]
+Writer = Annotated[repo.Principal, Depends(auth("write"))]
+TokenReader = Annotated[repo.Principal, Depends(auth("read", allow_token=True))]

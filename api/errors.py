@@ -1,0 +1,126 @@
+"""One error envelope for every failure: `{"error": {"code", "message", "param", "details"}}`.
+
+`param` is a JSON pointer into the request (for job specs: into the spec, e.g. `/peagle/num_depths`);
+`details` lists every problem of a 422 at once (`[{"param", "message"}]`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.db.states import IllegalTransition
+from peagle.spec import SpecInvalidError
+
+__all__ = ["ApiError", "envelope", "install_error_handlers", "pointer"]
+
+log = logging.getLogger("peagle.api")
+
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    411: "length_required",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    416: "range_not_satisfiable",
+    422: "validation_error",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "unavailable",
+}
+
+
+def pointer(loc: tuple[Any, ...] | list[Any]) -> str:
+    """JSON pointer for a location path: `("spec", "peagle", 0)` -> `/spec/peagle/0`."""
+    return "/" + "/".join(str(x).replace("~", "~0").replace("/", "~1") for x in loc) if loc else ""
+
+
+class ApiError(Exception):
+    """An HTTP error rendered as the envelope (raise it anywhere in the API)."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        details: list[dict[str, Any]] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.details = details or []
+        self.headers = headers or {}
+
+
+def envelope(code: str, message: str, param: str | None = None, details: list[Any] | None = None) -> dict:
+    """The error body."""
+    return {"error": {"code": code, "message": message, "param": param, "details": details or []}}
+
+
+def _json(status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def spec_error(exc: SpecInvalidError, *, prefix: tuple[str, ...] = ()) -> ApiError:
+    """422 listing every spec problem; pointers are relative to the spec document (plus `prefix`)."""
+    details = [{"param": pointer(prefix + tuple(p.loc)), "message": p.message} for p in exc.problems]
+    first = details[0]["param"] if details else None
+    return ApiError(422, "spec_invalid", str(exc), param=first, details=details)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type the API raises through the envelope."""
+
+    async def api_error(_req: Request, exc: ApiError) -> JSONResponse:
+        return _json(exc.status, envelope(exc.code, exc.message, exc.param, exc.details), exc.headers)
+
+    async def validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        details = []
+        for err in exc.errors():
+            loc = list(err.get("loc", ()))
+            where = loc[0] if loc else "body"
+            rest = loc[1:] if where in ("body", "query", "path", "header", "cookie") else loc
+            details.append({"param": pointer(rest), "in": where, "message": str(err.get("msg", "invalid"))})
+        n = len(details)
+        msg = f"{n} problem{'s' if n != 1 else ''} in the request: " + "; ".join(
+            f"{d['in']} {d['param'] or '(root)'}: {d['message']}" for d in details
+        )
+        return _json(422, envelope("validation_error", msg, details[0]["param"] if details else None, details))
+
+    async def http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code, "http_error")
+        return _json(exc.status_code, envelope(code, str(exc.detail)), getattr(exc, "headers", None))
+
+    async def illegal(_req: Request, exc: IllegalTransition) -> JSONResponse:
+        body = envelope("illegal_transition", str(exc), None, [{"current_state": exc.current}])
+        return _json(409, body)
+
+    async def spec_invalid(_req: Request, exc: SpecInvalidError) -> JSONResponse:
+        err = spec_error(exc)
+        return _json(422, envelope(err.code, err.message, err.param, err.details))
+
+    async def unexpected(_req: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error: %s", exc)
+        return _json(500, envelope("internal_error", "internal server error"))
+
+    app.add_exception_handler(ApiError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(IllegalTransition, illegal)  # type: ignore[arg-type]
+    app.add_exception_handler(SpecInvalidError, spec_invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,143 @@
+"""The FastAPI application: `create_app(settings)` builds everything in its lifespan (no module singletons).
+
+    uvicorn --factory api.main:create_app
+
+Importing this module never imports torch (checked by a test).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from anyio import to_thread
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from api.deps import AppState
+from api.errors import install_error_handlers
+from api.settings import Settings, get_settings
+
+__all__ = ["create_app"]
+
+THREADS = 24
+FRONTEND = Path(__file__).resolve().parents[1] / "frontend"
+
+DESCRIPTION = """Train P-EAGLE speculative-decoding drafts as jobs.
+
+Auth: `Authorization: Bearer <api key>` (create one with `python -m api.admin create-key --owner NAME --scope write`).
+Errors: `{"error": {"code", "message", "param", "details"}}`; `param` is a JSON pointer (spec problems point
+into the spec, e.g. `/peagle/num_depths`); 422 lists every problem in `details`.
+
+Job states: queued -> running -> succeeded | failed; running -> pausing -> paused -> queued (resume);
+running/pausing -> cancelling -> cancelled; queued/paused -> cancelled. Illegal transitions are 409.
+"""
+
+
+class ServiceMetrics:
+    """Prometheus metrics of one app (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("peagle_http_requests", "HTTP requests", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("peagle_http_request_seconds", "HTTP request latency", ["method", "route"],
+                                 registry=self.registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
+        self.streams = Gauge("peagle_open_streams", "Open SSE streams", registry=self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware: counts requests and observes latency per route template."""
+
+    def __init__(self, app: Any, metrics: ServiceMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+        is_stream = scope.get("path", "").endswith("/stream")
+        if is_stream:
+            self.metrics.streams.inc()
+
+        async def _send(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            if is_stream:
+                self.metrics.streams.dec()
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(scope["method"], route, str(status["code"])).inc()
+            if not is_stream:
+                self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+
+
+def _build_state(settings: Settings) -> AppState:
+    from api.db import upgrade
+    from api.db.session import make_engine, make_session_factory
+    from api.queue import make_producer
+
+    url = settings.resolved_database_url()
+    if settings.embedded and url.startswith("sqlite"):
+        upgrade(url)  # embedded default: the schema still comes only from the migrations
+    engine = make_engine(url)
+    state = AppState(settings=settings, engine=engine, sessions=make_session_factory(engine),
+                     producer=make_producer(settings))
+    if settings.redis_url:
+        import redis
+        import redis.asyncio as aioredis
+
+        state.redis = aioredis.Redis.from_url(settings.redis_url)
+        state.extra["redis_sync"] = redis.Redis.from_url(settings.redis_url)
+    return state
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The API app. `settings=None` reads them from the environment (`get_settings()`) at startup."""
+    metrics = ServiceMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from api.live import LiveHub
+        from api.routes.streams import serialize_raw
+
+        # Each request thread holds at most one pooled connection: keep threads <= pool size so a
+        # thread never waits for a connection held by a request that waits for a thread (deadlock).
+        to_thread.current_default_thread_limiter().total_tokens = THREADS
+        state = _build_state(settings or get_settings())
+        state.metrics = metrics
+        state.hub = LiveHub(state.sessions, serialize_raw, redis=state.redis)
+        await state.hub.start()
+        app.state.peagle = state
+        try:
+            yield
+        finally:
+            await state.hub.stop()
+            state.producer.close()
+            if state.redis is not None:
+                await state.redis.aclose()
+                state.extra["redis_sync"].close()
+            state.engine.dispose()
+
+    app = FastAPI(title="P-EAGLE training service", version="1", description=DESCRIPTION, lifespan=lifespan)
+    install_error_handlers(app)
+    from api.routes import auth, checkpoints, datasets, jobs, meta, streams
+
+    for module in (meta, auth, jobs, streams, checkpoints, datasets):
+        app.include_router(module.router)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if FRONTEND.is_dir():
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount("/", StaticFiles(directory=FRONTEND, html=True), name="frontend")
+    return app

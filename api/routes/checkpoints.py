@@ -1,0 +1,202 @@
+"""Checkpoints of a job: list, per-file download (HTTP Range, sha256), deterministic archive, serve command.
+
+Only COMPLETE checkpoints are listed or served. A file is served only if the checkpoint's `files` list
+(written by the trainer, stored by the worker) names it AND its resolved path stays inside the checkpoint
+directory (no `..`, no symlink escapes). Range/If-Range/416 come from Starlette's `FileResponse`; the
+ETag is the file's sha256, so `If-Range: "<sha256>"` resumes safely.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shlex
+import tarfile
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse
+
+from api.db import repo
+from api.db.models import Checkpoint, Job
+from api.deps import DB, Reader, State, TokenReader, releases_db
+from api.errors import ApiError
+from api.routes.jobs import load_job
+from api.schemas import CheckpointList, ServeCommand
+from api.settings import Settings
+
+router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
+
+Step = Annotated[int, PathParam(ge=0, le=2**31 - 1, description="Checkpoint step.")]
+
+_DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "the file"},
+    206: {"description": "partial content (Range)"},
+    416: {"description": "range not satisfiable"},
+}
+
+
+def job_dir(settings: Settings, job: Job) -> Path:
+    """The job's run directory (`artifact_dir`, relative to the artifact root unless absolute)."""
+    root = settings.resolved_artifact_root()
+    if job.artifact_dir:
+        p = Path(job.artifact_dir)
+        return p if p.is_absolute() else root / p
+    return root / job.id
+
+
+def _ckpt(session: Any, job: Job, step: int) -> Checkpoint:
+    ck = repo.get_checkpoint(session, job.id, step)
+    if ck is None:
+        raise ApiError(404, "not_found", f"job {job.id} has no complete checkpoint at step {step}", param="/step")
+    return ck
+
+
+def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:
+    base = job_dir(settings, job).resolve()
+    d = (base / ck.dir).resolve()
+    if not d.is_relative_to(base):
+        raise ApiError(404, "not_found", "checkpoint directory outside the job's run directory")
+    return d
+
+
+def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
+    base = f"/v1/jobs/{job.id}/checkpoints/{ck.step}"
+    m = ck.metrics or {}
+    tau = m.get("eval_tau_sim", m.get("tau_sim"))
+    al = m.get("acceptance_length")
+    return {
+        "step": ck.step, "dir": ck.dir, "metrics": m,
+        "tau_sim": float(tau) if isinstance(tau, int | float) else None,
+        "acceptance_length": float(al) if isinstance(al, int | float) else None,
+        "is_best": bool(ck.is_best or job.best_checkpoint_step == ck.step),
+        "is_latest": job.latest_checkpoint_step == ck.step,
+        "files": [{"path": f["path"], "size": int(f.get("size", 0)), "sha256": f.get("sha256", ""),
+                   "url": f"{base}/files/{f['path']}"} for f in ck.files or []],
+        "created_at": ck.created_at, "archive_url": f"{base}/archive", "serve_url": f"{base}/serve",
+    }
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList, operation_id="checkpoints-list",
+            summary="Complete checkpoints with metrics, best/latest flags and files (size, sha256)")
+@releases_db
+def list_checkpoints(job_id: str, session: DB, principal: Reader) -> Any:
+    job = load_job(session, principal, job_id)
+    return {"object": "list", "data": [_checkpoint_out(job, ck) for ck in repo.list_checkpoints(session, job.id)]}
+
+
+def _digest_headers(sha: str) -> dict[str, str]:
+    headers = {"X-Checksum-SHA256": sha, "ETag": f'"{sha}"'}
+    with contextlib.suppress(ValueError):
+        headers["Repr-Digest"] = f"sha-256=:{base64.b64encode(bytes.fromhex(sha)).decode()}:"
+    return headers
+
+
+@router.get("/{job_id}/checkpoints/{step}/files/{path:path}", operation_id="checkpoints-download-file",
+            summary="Download one checkpoint file (HTTP Range, If-Range; sha256 in X-Checksum-SHA256)",
+            response_class=FileResponse, responses=_DOWNLOAD_RESPONSES)
+@releases_db
+def download_file(job_id: str, step: Step, path: str, state: State, session: DB, principal: TokenReader) -> Any:
+    job = load_job(session, principal, job_id)
+    ck = _ckpt(session, job, step)
+    entry = next((f for f in ck.files or [] if f.get("path") == path), None)
+    if entry is None or path.startswith("/") or ".." in Path(path).parts:
+        raise ApiError(404, "not_found", f"checkpoint {step} has no file {path!r}", param="/path")
+    base = _ckpt_dir(state.settings, job, ck)
+    target = (base / path).resolve()
+    if not target.is_relative_to(base) or not target.is_file():
+        raise ApiError(404, "not_found", f"checkpoint {step} has no file {path!r}", param="/path")
+    session.close()
+    return FileResponse(target, filename=Path(path).name, headers=_digest_headers(str(entry.get("sha256", ""))))
+
+
+def build_archive(src: Path, files: list[dict[str, Any]], dest: Path, top: str) -> str:
+    """Write a deterministic tar of `files` (sorted paths, mtime 0, uid/gid 0, mode 0644) to `dest`.
+
+    Written to a temporary name and renamed, so concurrent builders are safe. Returns its sha256.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{id(files)}.tmp")
+    h = hashlib.sha256()
+
+    class _Hashing(io.RawIOBase):
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            h.update(b)
+            return self.f.write(b)
+
+    with tmp.open("wb") as raw, tarfile.open(fileobj=_Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for f in sorted(files, key=lambda x: x["path"]):
+            p = (src / f["path"]).resolve()
+            if not p.is_relative_to(src) or not p.is_file():
+                continue
+            info = tarfile.TarInfo(f"{top}/{f['path']}")
+            info.size, info.mtime, info.mode = p.stat().st_size, 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with p.open("rb") as fh:
+                tar.addfile(info, fh)
+    sha = h.hexdigest()
+    dest.with_suffix(".sha256").write_text(sha)
+    tmp.replace(dest)
+    return sha
+
+
+@router.get("/{job_id}/checkpoints/{step}/archive", operation_id="checkpoints-archive",
+            summary="The whole checkpoint as a deterministic tar (cached, Range-capable)",
+            response_class=FileResponse, responses=_DOWNLOAD_RESPONSES)
+@releases_db
+def download_archive(job_id: str, step: Step, state: State, session: DB, principal: TokenReader) -> Any:
+    job = load_job(session, principal, job_id)
+    ck = _ckpt(session, job, step)
+    files = list(ck.files or [])
+    key = hashlib.sha256(json.dumps([job.id, step, files], sort_keys=True).encode()).hexdigest()[:16]
+    dest = state.settings.home.resolve() / "cache" / "archives" / job.id / f"step_{step:06d}-{key}.tar"
+    src = _ckpt_dir(state.settings, job, ck)
+    session.close()
+    sidecar = dest.with_suffix(".sha256")
+    if dest.is_file() and sidecar.is_file():
+        sha = sidecar.read_text().strip()
+    else:
+        sha = build_archive(src, files, dest, f"{job.id}-step_{step:06d}")
+    return FileResponse(dest, filename=f"{job.id}-step_{step:06d}.tar", media_type="application/x-tar",
+                        headers=_digest_headers(sha))
+
+
+@router.get("/{job_id}/checkpoints/{step}/serve", response_model=ServeCommand, operation_id="checkpoints-serve",
+            summary="The exact `vllm serve` command for this checkpoint")
+@releases_db
+def serve_command(job_id: str, step: Step, state: State, session: DB, principal: Reader) -> Any:
+    job = load_job(session, principal, job_id)
+    ck = _ckpt(session, job, step)
+    d = _ckpt_dir(state.settings, job, ck)
+    spec = job.resolved_spec or job.spec
+    verifier = (spec.get("target") or {}).get("name_or_path") or (spec.get("target") or {}).get("model", "")
+    k = (spec.get("eval") or {}).get("num_speculative_tokens") or (spec.get("peagle") or {}).get("num_depths", 8)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        sc = cfg.get("speculators_config") or {}
+        verifier = (sc.get("verifier") or {}).get("name_or_path") or verifier
+        props = sc.get("proposal_methods") or []
+        if props and props[0].get("speculative_tokens"):
+            k = props[0]["speculative_tokens"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    spec_cfg = {"model": str(d), "method": "eagle3", "num_speculative_tokens": int(k), "parallel_drafting": True}
+    return {
+        "command": f"vllm serve {shlex.quote(str(d))}",
+        "long_command": f"vllm serve {shlex.quote(str(verifier))} --speculative-config "
+        f"{shlex.quote(json.dumps(spec_cfg))}",
+        "speculative_config": spec_cfg, "model_dir": str(d),
+    }

@@ -1,0 +1,334 @@
+"""`/v1/jobs`: create (idempotent, dry-run), list (cursor pages, filters), get, cancel/pause/resume/clone."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import re
+import uuid
+from datetime import datetime
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter, Body, Header, Query
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.db import repo, states
+from api.db.models import Dataset, Job, utcnow
+from api.deps import DB, AppState, Reader, State, Writer, json_ok, jsonable, releases_db
+from api.errors import ApiError, spec_error
+from api.estimate import estimate
+from api.schemas import CloneRequest, Estimate, JobCreate, JobOut, JobPage
+from peagle.spec import SpecInvalidError, TrainSpec, parse_spec, preset, preset_names
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+log = logging.getLogger("peagle.api")
+
+RETRY_AFTER_S = 30
+_ID = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over` merged in recursively (dicts merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _resolve_spec(body: JobCreate) -> TrainSpec:
+    if (body.spec is None) == (body.preset is None):
+        raise ApiError(422, "validation_error", "send exactly one of 'spec' or 'preset'", param="/spec",
+                       details=[{"param": "/spec", "message": "exactly one of spec or preset is required"}])
+    if body.preset is not None:
+        if body.preset not in preset_names():
+            raise ApiError(422, "validation_error", f"unknown preset {body.preset!r}; known: {preset_names()}",
+                           param="/preset", details=[{"param": "/preset", "message": "unknown preset"}])
+        data = preset(body.preset).model_dump(mode="json")
+        if body.overrides:
+            data = deep_merge(data, body.overrides)
+    else:
+        if body.overrides:
+            raise ApiError(422, "validation_error", "'overrides' only applies to a preset", param="/overrides",
+                           details=[{"param": "/overrides", "message": "only with preset"}])
+        data = body.spec
+    try:
+        return parse_spec(data)
+    except SpecInvalidError as exc:
+        raise spec_error(exc) from None
+
+
+def job_out(job: Job | dict[str, Any], *, full: bool = True) -> dict[str, Any]:
+    """The public representation of a job row (a list row when `full` is False)."""
+    g = job.get if isinstance(job, dict) else lambda k: getattr(job, k)
+    out: dict[str, Any] = {
+        "id": g("id"), "object": "job", "name": g("name"), "tags": g("tags") or [], "status": g("status"),
+        "phase": g("phase"), "desired_state": g("desired_state"), "progress": g("progress") or {},
+        "attempt": g("attempt"), "queue": g("queue"),
+        "error": None if g("error_code") is None else {
+            "code": g("error_code"), "message": g("error_message"), "retryable": g("error_retryable")},
+        "best_checkpoint_step": g("best_checkpoint_step"), "latest_checkpoint_step": g("latest_checkpoint_step"),
+        "created_at": g("created_at"), "queued_at": g("queued_at"), "started_at": g("started_at"),
+        "finished_at": g("finished_at"), "updated_at": g("updated_at"),
+    }
+    if full:
+        base = f"/v1/jobs/{g('id')}/checkpoints/"
+        out.update(
+            max_restarts=g("max_restarts"), spec=g("spec"), resolved_spec=g("resolved_spec"),
+            provenance=g("provenance"), event_seq=g("event_seq"), metric_seq=g("metric_seq"), log_seq=g("log_seq"),
+            best_checkpoint=None if g("best_checkpoint_step") is None else {
+                "step": g("best_checkpoint_step"), "url": f"{base}{g('best_checkpoint_step')}"},
+            latest_checkpoint=None if g("latest_checkpoint_step") is None else {
+                "step": g("latest_checkpoint_step"), "url": f"{base}{g('latest_checkpoint_step')}"},
+        )
+    return out
+
+
+def _body_hash(body: JobCreate) -> str:
+    blob = json.dumps(body.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _check_quota(state: AppState, session: Session, owner_id: int) -> None:
+    counts = repo.owner_counts(session, owner_id)
+    s = state.settings
+    queued = counts.get(states.QUEUED, 0)
+    if queued >= s.max_queued_jobs:
+        raise ApiError(429, "quota_exceeded", f"{queued} jobs already queued (limit {s.max_queued_jobs})",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    unfinished = sum(counts.values())
+    limit = s.max_queued_jobs + s.max_concurrent_jobs
+    if unfinished >= limit:
+        raise ApiError(429, "quota_exceeded", f"{unfinished} unfinished jobs (limit {limit} = "
+                       f"max_concurrent_jobs + max_queued_jobs)", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _datasets_for(session: Session, owner_id: int, spec: TrainSpec) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    problems = []
+    for i, src in enumerate(spec.data.sources):
+        if not src.path.startswith("dataset:"):
+            continue
+        ds = session.scalar(sa.select(Dataset).where(Dataset.id == src.path[8:], Dataset.owner_id == owner_id))
+        if ds is None:
+            problems.append({"param": f"/data/sources/{i}/path", "message": f"no dataset {src.path[8:]!r}"})
+        else:
+            out[src.path] = ds.report or {}
+    if problems:
+        raise ApiError(422, "spec_invalid", "; ".join(p["message"] for p in problems), param=problems[0]["param"],
+                       details=problems)
+    return out
+
+
+def submit(state: AppState, session: Session, principal: repo.Principal, spec: TrainSpec, *, name: str | None,
+           tags: list[str] | None, queue: str | None, idem: tuple[str, str] | None = None) -> Job:
+    """Insert a queued job, commit, and hand it to the worker queue."""
+    _check_quota(state, session, principal.owner_id)
+    now = utcnow()
+    job = Job(
+        owner_id=principal.owner_id, name=(name or spec.name or "").replace("\x00", "")[:200],
+        tags=tags or list(spec.tags),
+        spec=spec.model_dump(mode="json"), status=states.QUEUED, progress={}, attempt=0,
+        max_restarts=spec.resources.max_restarts, queue=queue or state.settings.worker_queue,
+        created_at=now, queued_at=now, updated_at=now,
+        idempotency_key=idem[0] if idem else None, body_hash=idem[1] if idem else None,
+    )
+    job.celery_task_id = str(uuid.uuid4())  # chosen before sending: one commit, then the broker
+    session.add(job)
+    session.flush()
+    repo.add_job_event(session, job, "state", "job queued", data={"status": states.QUEUED})
+    if idem:
+        job.idempotency_response = jsonable(job_out(job))
+    session.commit()
+    try:
+        state.producer.send_train(job.id, job.queue, job.celery_task_id)
+    except Exception as exc:
+        log.exception("queueing %s failed", job.id)
+        job.status, job.error_code, job.error_message = states.FAILED, "queue_unavailable", str(exc)
+        job.finished_at = job.updated_at = utcnow()
+        job.idempotency_response = None
+        session.commit()
+        raise ApiError(503, "queue_unavailable", f"could not queue the job: {exc}",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    return job
+
+
+@router.post(
+    "", status_code=201, response_model=JobOut | Estimate, operation_id="jobs-create",
+    summary="Create a training job (or estimate it with ?dry_run=true)",
+    responses={200: {"model": Estimate, "description": "dry-run estimate"}, 409: {}, 422: {}, 429: {}},
+)
+@releases_db
+def create_job(
+    body: JobCreate, state: State, session: DB, principal: Writer,
+    dry_run: Annotated[bool, Query(description="Validate and estimate without queuing.")] = False,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> Any:
+    """Validate the spec (every problem listed at once), then queue the job.
+
+    Same `Idempotency-Key` + same body replays the first answer; a different body is 409.
+    """
+    spec = _resolve_spec(body)
+    datasets = _datasets_for(session, principal.owner_id, spec)
+    queue = body.queue or state.settings.worker_queue
+    if dry_run:
+        est = estimate(spec, dataset_rows=datasets, queue=queue,
+                       queue_position=repo.queue_position(session, queue))
+        return json_ok({"object": "estimate", "valid": True, "spec": spec.model_dump(mode="json"), **est})
+    idem = None
+    if idempotency_key:
+        h = _body_hash(body)
+        idem = (idempotency_key, h)
+        existing = session.scalar(sa.select(Job).where(Job.owner_id == principal.owner_id,
+                                                        Job.idempotency_key == idempotency_key))
+        if existing is not None:
+            return _replay(existing, h)
+    try:
+        job = submit(state, session, principal, spec, name=body.name, tags=body.tags, queue=body.queue, idem=idem)
+    except IntegrityError:
+        session.rollback()
+        existing = session.scalar(sa.select(Job).where(Job.owner_id == principal.owner_id,
+                                                       Job.idempotency_key == idempotency_key))
+        if existing is None or idem is None:
+            raise
+        return _replay(existing, idem[1])
+    # with a key, the first answer IS the stored one (replays are byte-for-byte the same)
+    return json_ok(job.idempotency_response or job_out(job), 201, {"Location": f"/v1/jobs/{job.id}"})
+
+
+def _replay(existing: Job, body_hash: str) -> Any:
+    if existing.body_hash != body_hash:
+        raise ApiError(409, "idempotency_mismatch", "this Idempotency-Key was used with a different body",
+                       param="/", details=[{"param": "/", "message": f"first used for job {existing.id}"}])
+    return json_ok(existing.idempotency_response or job_out(existing), 201,
+                   {"Idempotent-Replayed": "true", "Location": f"/v1/jobs/{existing.id}"})
+
+
+@router.get("", response_model=JobPage, operation_id="jobs-list", summary="List jobs (newest first)")
+@releases_db
+def list_jobs(
+    session: DB, principal: Reader,
+    after: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_]*$",
+                                       description="Cursor: next_after of the previous page.")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+    status: Annotated[list[str] | None, Query(description="Filter by status (repeatable).")] = None,
+    tag: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")] = None,
+    created_after: Annotated[datetime | None, Query()] = None,
+    q: Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00]*$",
+                                   description="Substring of the job name.")] = None,
+) -> Any:
+    """Cursor pages: `has_more` and `next_after` (pass it as `after`)."""
+    bad = [s for s in status or [] if s not in states.ALL_STATES]
+    if bad:
+        raise ApiError(422, "validation_error", f"unknown status {bad}; known: {list(states.ALL_STATES)}",
+                       param="/status", details=[{"param": "/status", "in": "query", "message": "unknown status"}])
+    rows, has_more = repo.list_jobs(session, principal.owner_id, after=after, limit=limit, statuses=status,
+                                    tag=tag, created_after=created_after, q=q)
+    data = [job_out(r, full=False) for r in rows]
+    return json_ok({"object": "list", "data": data, "has_more": has_more,
+                    "next_after": data[-1]["id"] if data else None})
+
+
+def load_job(session: Session, principal: repo.Principal, job_id: str, *, lock: bool = False) -> Job:
+    """The caller's job or 404 (also for another owner's job)."""
+    job = repo.get_job(session, principal.owner_id, job_id, lock=lock) if _ID.fullmatch(job_id) else None
+    if job is None:
+        raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
+    return job
+
+
+@router.get("/{job_id}", response_model=JobOut, operation_id="jobs-get", summary="Get one job")
+@releases_db
+def get_job(job_id: str, session: DB, principal: Reader) -> Any:
+    """Status, phase, progress, attempt, error, best/latest checkpoint, resolved spec, provenance."""
+    job = load_job(session, principal, job_id)
+    out = job_out(job)
+    out["queue_position"] = repo.queue_position(session, job.queue, job.id) if job.status == states.QUEUED else None
+    return json_ok(out)
+
+
+def _act(state: AppState, session: Session, principal: repo.Principal, job_id: str, action: str) -> Any:
+    job = load_job(session, principal, job_id, lock=True)
+    current = job.status
+    target = states.action_target(action, current)
+    if target != current:
+        if action == "resume":
+            _check_quota(state, session, principal.owner_id)
+        now = utcnow()
+        job.status = target
+        job.updated_at = now
+        if target in (states.PAUSING, states.CANCELLING):
+            job.desired_state = states.PAUSED if target == states.PAUSING else states.CANCELLED
+        elif target == states.QUEUED:
+            job.desired_state, job.queued_at = None, now
+        else:
+            job.desired_state = None
+        if target in states.TERMINAL:
+            job.finished_at = now
+        repo.add_job_event(session, job, "state", f"{action} requested: {current} -> {target}",
+                           data={"status": target, "previous": current, "action": action})
+        session.commit()
+        if target == states.QUEUED:
+            job.celery_task_id = state.producer.send_train(job.id, job.queue)
+            session.commit()
+        publish(state, job)
+    else:
+        session.commit()
+    return job_out(job)
+
+
+def publish(state: AppState, job: Job) -> None:
+    """Wake live streams of `job` (Redis pub/sub) after a committed change; no-op without Redis."""
+    client = state.extra.get("redis_sync")
+    if client is None:
+        return
+    msg = {"job_id": job.id, "event_seq": job.event_seq, "metric_seq": job.metric_seq, "log_seq": job.log_seq,
+           "status": job.status}
+    try:
+        client.publish(f"peagle:job:{job.id}", json.dumps(msg))
+    except Exception:  # noqa: BLE001 - the DB is the truth; streams still poll
+        log.warning("redis publish failed for %s", job.id)
+
+
+_ACTION_DOC = {
+    "cancel": "Cancel: queued/paused -> cancelled at once; running -> cancelling (the worker stops the trainer).",
+    "pause": "Pause: running -> pausing (checkpoint, free the GPU, then paused); queued -> paused.",
+    "resume": "Resume a paused job (queued again; continues exactly from its last checkpoint).",
+}
+
+
+def _action_route(action: str) -> None:
+    @releases_db
+    def handler(job_id: str, state: State, session: DB, principal: Writer) -> Any:
+        return _act(state, session, principal, job_id, action)
+
+    handler.__doc__ = _ACTION_DOC[action] + " Idempotent; illegal in the current state -> 409."
+    router.add_api_route(f"/{{job_id}}/{action}", handler, methods=["POST"], response_model=JobOut,
+                         operation_id=f"jobs-{action}", summary=f"{action.capitalize()} a job",
+                         responses={409: {"description": "illegal in the job's current state"}})
+
+
+for _a in ("cancel", "pause", "resume"):
+    _action_route(_a)
+
+
+@router.post("/{job_id}/clone", status_code=201, response_model=JobOut, operation_id="jobs-clone",
+             summary="Create a new job from this job's spec (optionally with overrides)")
+@releases_db
+def clone_job(job_id: str, state: State, session: DB, principal: Writer,
+              body: Annotated[CloneRequest | None, Body()] = None) -> Any:
+    """A fresh job (new id, attempt 0) from the spec of `job_id`, overrides deep-merged."""
+    src = load_job(session, principal, job_id)
+    body = body or CloneRequest()
+    data = deep_merge(src.spec, body.overrides or {})
+    try:
+        spec = parse_spec(data)
+    except SpecInvalidError as exc:
+        raise spec_error(exc, prefix=()) from None
+    _datasets_for(session, principal.owner_id, spec)
+    job = submit(state, session, principal, spec, name=body.name or f"{src.name} (clone)"[:200],
+                 tags=body.tags, queue=src.queue)
+    return job_out(job)

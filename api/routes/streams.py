@@ -1,0 +1,172 @@
+"""Job events, metrics and logs: paged reads and Server-Sent Event streams (`.../stream`).
+
+SSE wire format (FastAPI's native `fastapi.sse`): `id: <seq>` (per job, strictly increasing),
+`event: event|metric|log`, `data: <the row as JSON>`; `: keep-alive` comments when idle; a final
+`event: end` with `{"status": ...}` once the job is terminal and every row was sent. Reconnect with
+`Last-Event-ID: <seq>` (or `?after=<seq>`) to continue without loss or duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from api.db import repo
+from api.deps import DB, Reader, TokenReader, json_ok, releases_db
+from api.routes.jobs import load_job
+from api.schemas import EventPage, LogPage, MetricPage
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+EVENT_NAMES = {"events": "event", "metrics": "metric", "logs": "log"}
+
+
+def serialize(kind: str, row: Any) -> dict[str, Any]:
+    """A row as the JSON the API returns (same shape in pages and streams)."""
+    out: dict[str, Any] = {"seq": row.seq, "time": row.time.isoformat().replace("+00:00", "Z"), "attempt": row.attempt}
+    if kind == "events":
+        out.update(kind=row.kind, phase=row.phase, message=row.message, data=row.data or {})
+    elif kind == "metrics":
+        out.update(step=row.step, epoch=row.epoch, values=row.values or {})
+    else:
+        out.update(level=row.level, message=row.message)
+    return out
+
+
+def serialize_raw(kind: str, row: Any) -> tuple[int, str]:
+    """(seq, JSON text) of a row: streams serialize each row once, for all their subscribers."""
+    return row.seq, json.dumps(serialize(kind, row), separators=(",", ":"))
+
+
+def _page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {"object": "list", "data": rows, "has_more": more, "next_after": str(rows[-1]["seq"]) if rows else None}
+
+
+@router.get("/{job_id}/events", response_model=EventPage, operation_id="jobs-events",
+            summary="Job events (phases, checkpoints, evals, state changes), ascending by seq")
+@releases_db
+def list_events(job_id: str, session: DB, principal: Reader,
+                after: Annotated[int, Query(ge=0, le=2**31)] = 0,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Any:
+    load_job(session, principal, job_id)
+    rows = repo.read_rows(session, "events", job_id, after=after, limit=limit + 1)
+    return json_ok(_page([serialize("events", r) for r in rows], limit))
+
+
+@router.get("/{job_id}/logs", response_model=LogPage, operation_id="jobs-logs",
+            summary="Job log lines, ascending by seq (or the last `tail` lines)")
+@releases_db
+def list_logs(job_id: str, session: DB, principal: Reader,
+              after: Annotated[int, Query(ge=0, le=2**31)] = 0,
+              limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+              tail: Annotated[int | None, Query(ge=1, le=5000, description="Last N lines instead.")] = None) -> Any:
+    job = load_job(session, principal, job_id)
+    if tail is not None:
+        rows = [serialize("logs", r) for r in repo.tail_logs(session, job_id, tail)]
+        return {"object": "list", "data": rows, "has_more": False,
+                "next_after": str(rows[-1]["seq"]) if rows else str(job.log_seq)}
+    rows = repo.read_rows(session, "logs", job_id, after=after, limit=limit + 1)
+    return _page([serialize("logs", r) for r in rows], limit)
+
+
+def downsample(points: list[dict[str, Any]], max_points: int, key: str | None) -> list[dict[str, Any]]:
+    """Thin a step-ordered series to <= max_points, keeping its shape.
+
+    The series is cut into `max_points // 4` equal buckets; each keeps its first, last, min and max
+    point of `key` (the first requested key), so spikes and the ends survive. Pure; O(n).
+    """
+    n = len(points)
+    if n <= max_points:
+        return points
+    buckets = max(1, max_points // 4)
+    keep: set[int] = {0, n - 1}
+    for b in range(buckets):
+        lo, hi = b * n // buckets, (b + 1) * n // buckets
+        if lo >= hi:
+            continue
+        keep.update((lo, hi - 1))
+        if key is not None:
+            vals = [(points[i]["values"].get(key), i) for i in range(lo, hi)]
+            vals = [(v, i) for v, i in vals if isinstance(v, int | float)]
+            if vals:
+                keep.add(min(vals)[1])
+                keep.add(max(vals)[1])
+    return [points[i] for i in sorted(keep)][: max_points] if len(keep) > max_points else [
+        points[i] for i in sorted(keep)]
+
+
+@router.get("/{job_id}/metrics", response_model=MetricPage, operation_id="jobs-metrics",
+            summary="Metric history with key selection, step range and server-side downsampling")
+@releases_db
+def list_metrics(job_id: str, session: DB, principal: Reader,
+                 keys: Annotated[str | None, Query(max_length=2000, description="Comma-separated keys.")] = None,
+                 step_from: Annotated[int | None, Query(ge=0, le=2**31)] = None,
+                 step_to: Annotated[int | None, Query(ge=0, le=2**31)] = None,
+                 after: Annotated[int, Query(ge=0, le=2**31)] = 0,
+                 limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+                 max_points: Annotated[int | None, Query(ge=4, le=100_000)] = None) -> Any:
+    """Points ascending by seq; with `max_points` the range is thinned (first/last + per-bucket min/max)."""
+    load_job(session, principal, job_id)
+    wanted = [k for k in (keys or "").split(",") if k] or None
+    rows = repo.read_rows(session, "metrics", job_id, after=after, limit=limit + 1, step_from=step_from,
+                          step_to=step_to)
+    pts = [serialize("metrics", r) for r in rows]
+    if wanted:
+        for p in pts:
+            p["values"] = {k: v for k, v in p["values"].items() if k in wanted}
+    page = _page(pts, limit)
+    total = len(page["data"])
+    if max_points is not None and total > max_points:
+        page["data"] = downsample(page["data"], max_points, wanted[0] if wanted else "loss")
+        page["downsampled"] = True
+    page["total_points"] = total
+    return page
+
+
+def _stream_job(job_id: str, session: DB, principal: TokenReader) -> str:
+    load_job(session, principal, job_id)
+    session.close()  # release the connection: a stream may stay open for hours
+    return job_id
+
+
+def _cursor(last_event_id: str | None, after: int | None) -> int:
+    if last_event_id and last_event_id.strip().isdigit():
+        return int(last_event_id.strip())
+    return after or 0
+
+
+def _stream_route(kind: str) -> None:
+    async def stream(
+        request: Request,
+        job_id: Annotated[str, Depends(_stream_job)],
+        last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+        after: Annotated[int | None, Query(ge=0, le=2**31, description="Start after this seq.")] = None,
+    ) -> AsyncIterable[ServerSentEvent]:
+        hub = request.app.state.peagle.hub
+        keepalive = request.app.state.peagle.extra.get("keepalive_s", 10.0)
+        name = EVENT_NAMES[kind]
+        yield ServerSentEvent(comment="stream open", retry=2000)
+        async for what, item in hub.follow(job_id, kind, _cursor(last_event_id, after), keepalive_s=keepalive):
+            if what == "row":
+                yield ServerSentEvent(id=str(item[0]), event=name, raw_data=item[1])
+            elif what == "ping":
+                yield ServerSentEvent(comment="keep-alive")
+            else:
+                yield ServerSentEvent(event="end", data={"status": item})
+                return
+
+    stream.__doc__ = (f"Server-Sent Events of the job's {kind}: `id` = seq, `event: {EVENT_NAMES[kind]}`, "
+                      "replay after `Last-Event-ID`, live tail, keep-alive comments, final `event: end`.")
+    router.add_api_route(f"/{{job_id}}/{kind}/stream", stream, methods=["GET"],
+                         response_class=EventSourceResponse, operation_id=f"jobs-{kind}-stream",
+                         summary=f"Stream {kind} (SSE)")
+
+
+for _k in ("events", "metrics", "logs"):
+    _stream_route(_k)

@@ -1,0 +1,260 @@
+"""Request and response models of the `/v1` API (the OpenAPI schema is generated from them)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "CheckpointOut",
+    "DatasetOut",
+    "ErrorBody",
+    "ErrorEnvelope",
+    "Estimate",
+    "JobCreate",
+    "JobOut",
+    "JobSummary",
+    "Page",
+]
+
+
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class ErrorDetail(BaseModel):
+    param: str | None = Field(default=None, description="JSON pointer of the problem.")
+    message: str = Field(description="What is wrong.")
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="Stable snake_case error code.")
+    message: str = Field(description="Human-readable summary.")
+    param: str | None = Field(default=None, description="JSON pointer into the request (first problem).")
+    details: list[ErrorDetail] = Field(default_factory=list, description="Every problem (422).")
+
+
+class ErrorEnvelope(BaseModel):
+    """Every error answer."""
+
+    error: ErrorBody
+
+
+class JobCreate(BaseModel):
+    """`{"spec": TrainSpec}` or `{"preset": name, "overrides": {...}}` (overrides deep-merge into it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec: dict[str, Any] | None = Field(
+        default=None, description="A full TrainSpec (schema: GET /v1/spec/schema). Exclusive with preset."
+    )
+    preset: str | None = Field(default=None, max_length=64, description="Preset name (GET /v1/presets).")
+    overrides: dict[str, Any] | None = Field(
+        default=None, description="Deep-merged into the preset's spec, e.g. {\"optim\": {\"lr\": 0.001}}."
+    )
+    name: str | None = Field(default=None, max_length=200, description="Job name (default: spec.name).")
+    tags: list[Tag] | None = Field(default=None, max_length=32, description="Tags (default: spec.tags).")
+    queue: str | None = Field(
+        default=None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Worker queue (GPU kind)."
+    )
+
+
+class CloneRequest(BaseModel):
+    """Optional changes for `POST /v1/jobs/{id}/clone`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overrides: dict[str, Any] | None = Field(default=None, description="Deep-merged into the cloned spec.")
+    name: str | None = Field(default=None, max_length=200)
+    tags: list[Tag] | None = Field(default=None, max_length=32)
+
+
+class JobError(BaseModel):
+    code: str | None
+    message: str | None
+    retryable: bool | None
+
+
+class CheckpointRef(BaseModel):
+    step: int
+    url: str
+
+
+class JobSummary(_Out):
+    """A job in a list (no spec)."""
+
+    id: str
+    object: Literal["job"] = "job"
+    name: str
+    tags: list[str]
+    status: str
+    phase: str | None
+    desired_state: str | None
+    progress: dict[str, Any]
+    attempt: int
+    queue: str
+    error: JobError | None
+    best_checkpoint_step: int | None
+    latest_checkpoint_step: int | None
+    created_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime
+
+
+class JobOut(JobSummary):
+    """Everything about one job."""
+
+    max_restarts: int
+    spec: dict[str, Any]
+    resolved_spec: dict[str, Any] | None
+    provenance: dict[str, Any] | None
+    best_checkpoint: CheckpointRef | None
+    latest_checkpoint: CheckpointRef | None
+    event_seq: int
+    metric_seq: int
+    log_seq: int
+    queue_position: int | None = Field(default=None, description="Queued jobs ahead of this one.")
+
+
+class Page(BaseModel):
+    """A cursor page: pass `next_after` as `after` to get the next one."""
+
+    object: Literal["list"] = "list"
+    data: list[Any]
+    has_more: bool
+    next_after: str | None = None
+
+
+class JobPage(Page):
+    data: list[JobSummary]  # type: ignore[assignment]
+
+
+class EventOut(_Out):
+    seq: int
+    time: datetime
+    attempt: int
+    kind: str
+    phase: str | None
+    message: str
+    data: dict[str, Any]
+
+
+class MetricOut(_Out):
+    seq: int
+    step: int
+    time: datetime
+    attempt: int
+    epoch: float | None
+    values: dict[str, Any]
+
+
+class LogOut(_Out):
+    seq: int
+    time: datetime
+    attempt: int
+    level: str
+    message: str
+
+
+class EventPage(Page):
+    data: list[EventOut]  # type: ignore[assignment]
+
+
+class LogPage(Page):
+    data: list[LogOut]  # type: ignore[assignment]
+
+
+class MetricPage(Page):
+    data: list[MetricOut]  # type: ignore[assignment]
+    downsampled: bool = Field(default=False, description="True when max_points thinned the series.")
+    total_points: int = Field(default=0, description="Points in the range before downsampling.")
+
+
+class FileOut(BaseModel):
+    path: str
+    size: int
+    sha256: str
+    url: str
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    dir: str
+    metrics: dict[str, Any]
+    tau_sim: float | None
+    acceptance_length: float | None
+    is_best: bool
+    is_latest: bool
+    files: list[FileOut]
+    created_at: datetime
+    archive_url: str
+    serve_url: str
+
+
+class CheckpointList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[CheckpointOut]
+
+
+class ServeCommand(BaseModel):
+    command: str = Field(description="Short form: the draft dir's config names the verifier.")
+    long_command: str = Field(description="Explicit target + --speculative-config.")
+    speculative_config: dict[str, Any]
+    model_dir: str
+
+
+class Estimate(BaseModel):
+    """`?dry_run=true`: what the job would cost, without queuing it."""
+
+    object: Literal["estimate"] = "estimate"
+    valid: bool = True
+    spec: dict[str, Any]
+    rows: int = Field(description="Conversations used (estimated when the source size is unknown).")
+    tokens: int = Field(description="Training tokens after templating (estimate).")
+    optimizer_steps: int
+    tokens_per_step: int
+    hidden_state_bytes: int = Field(description="Disk for offline target features (0 for online capture).")
+    wall_clock_seconds: float = Field(description="Rough wall-clock estimate on the requested device.")
+    queue: str
+    queue_position: int = Field(description="Jobs queued ahead on that queue.")
+    notes: list[str]
+
+
+class DatasetOut(_Out):
+    id: str
+    object: Literal["dataset"] = "dataset"
+    filename: str
+    size: int
+    sha256: str
+    format: str
+    status: str
+    report: dict[str, Any]
+    created_at: datetime
+    path_ref: str = Field(description="Use as a data source path in a spec: `dataset:<id>`.")
+
+
+class DatasetPage(Page):
+    data: list[DatasetOut]  # type: ignore[assignment]
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_key: str = Field(min_length=1, max_length=200)
+
+
+class TokenOut(BaseModel):
+    token: str
+    expires_at: datetime
+
+
+class WhoAmI(BaseModel):
+    owner: str
+    scopes: list[str]

@@ -1,0 +1,140 @@
+"""`peagle jobs ...`: talk to a running service (`--url`/`PEAGLE_URL`, `--api-key`/`PEAGLE_API_KEY`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from peagle.client import PeagleClient, ServiceError
+
+jobs_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Submit and follow jobs on a peagle service.")
+
+_URL = typer.Option("http://127.0.0.1:8000", "--url", envvar="PEAGLE_URL", help="Service base URL.")
+_KEY = typer.Option(None, "--api-key", envvar="PEAGLE_API_KEY", help="API key (Bearer).")
+
+
+def _client(url: str, key: str | None) -> PeagleClient:
+    return PeagleClient(url, key)
+
+
+def _fail(exc: ServiceError) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    for d in exc.details:
+        typer.echo(f"  {d.get('param') or ''}: {d.get('message', d)}", err=True)
+    raise typer.Exit(1)
+
+
+def _print(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+@jobs_app.command("submit")
+def submit(
+    spec: Path | None = typer.Argument(None, help="Spec file (YAML or JSON); or use --preset."),
+    preset: str | None = typer.Option(None, "--preset", help="Preset name (tiny, demo, ...)."),
+    override: str | None = typer.Option(None, "--override", help='JSON deep-merged into the preset.'),
+    name: str | None = typer.Option(None, "--name"),
+    idempotency_key: str | None = typer.Option(None, "--idempotency-key", help="Retry-safe submission."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and estimate only."),
+    url: str = _URL,
+    api_key: str | None = _KEY,
+) -> None:
+    """Submit a job; prints it (or the estimate) as JSON."""
+    data = None
+    if spec is not None:
+        import yaml
+
+        text = spec.read_text(encoding="utf-8")
+        data = json.loads(text) if spec.suffix == ".json" else yaml.safe_load(text)
+    with _client(url, api_key) as c:
+        try:
+            job = c.submit(data, preset=preset, overrides=json.loads(override) if override else None, name=name,
+                           idempotency_key=idempotency_key, dry_run=dry_run)
+        except ServiceError as exc:
+            _fail(exc)
+    _print(job)
+
+
+@jobs_app.command("list")
+def list_jobs(
+    status: list[str] | None = typer.Option(None, "--status"),
+    tag: str | None = typer.Option(None, "--tag"),
+    limit: int = typer.Option(50, "--limit", help="At most this many rows."),
+    url: str = _URL,
+    api_key: str | None = _KEY,
+) -> None:
+    """One line per job: id, status, phase, progress, name."""
+    with _client(url, api_key) as c:
+        try:
+            for i, job in enumerate(c.list_jobs(status=status, tag=tag, limit=min(limit, 200))):
+                if i >= limit:
+                    break
+                pct = (job.get("progress") or {}).get("percent")
+                typer.echo(f"{job['id']}\t{job['status']}\t{job.get('phase') or '-'}\t"
+                           f"{'-' if pct is None else f'{pct:.0f}%'}\t{job.get('name', '')}")
+        except ServiceError as exc:
+            _fail(exc)
+
+
+@jobs_app.command("get")
+def get(job_id: str, url: str = _URL, api_key: str | None = _KEY) -> None:
+    """The job as JSON."""
+    with _client(url, api_key) as c:
+        try:
+            _print(c.get_job(job_id))
+        except ServiceError as exc:
+            _fail(exc)
+
+
+@jobs_app.command("cancel")
+def cancel(job_id: str, url: str = _URL, api_key: str | None = _KEY) -> None:
+    """Cancel a job (idempotent)."""
+    with _client(url, api_key) as c:
+        try:
+            typer.echo(c.action(job_id, "cancel")["status"])
+        except ServiceError as exc:
+            _fail(exc)
+
+
+@jobs_app.command("logs")
+def logs(
+    job_id: str,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream until the job ends."),
+    tail: int = typer.Option(100, "--tail", help="Lines to show first."),
+    url: str = _URL,
+    api_key: str | None = _KEY,
+) -> None:
+    """Print log lines (`--follow` streams them live over SSE)."""
+    with _client(url, api_key) as c:
+        try:
+            page = c.page(job_id, "logs", tail=tail)
+            for rec in page["data"]:
+                typer.echo(f"{rec['time']} {rec['level']:<7} {rec['message']}")
+            if follow:
+                after = int(page["next_after"] or 0)
+                for rec in c.stream(job_id, "logs", after=after):
+                    typer.echo(f"{rec['time']} {rec['level']:<7} {rec['message']}")
+        except ServiceError as exc:
+            _fail(exc)
+
+
+@jobs_app.command("download")
+def download(
+    job_id: str,
+    out: Path = typer.Option(Path(), "--out", help="Destination folder."),
+    step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: the best)."),
+    url: str = _URL,
+    api_key: str | None = _KEY,
+) -> None:
+    """Download a checkpoint's files (resumable, sha256-verified) and print the vllm serve command."""
+    with _client(url, api_key) as c:
+        try:
+            paths = c.download_checkpoint(job_id, step, out)
+            for p in paths:
+                typer.echo(str(p))
+        except ServiceError as exc:
+            _fail(exc)
+    typer.echo(f"serve with: vllm serve {out.resolve()}")

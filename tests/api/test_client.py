@@ -1,0 +1,59 @@
+"""peagle.client and `peagle jobs ...` against a real uvicorn server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from api.main import create_app
+from peagle.cli import app as cli_app
+from peagle.client import PeagleClient, ServiceError
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_path: Path, db_url: str) -> None:
+    key = sim.key("hank", "write")
+    with live_server(create_app(settings_factory())) as srv, PeagleClient(srv.url, key) as c:
+        job = c.submit(preset="tiny", idempotency_key="x")
+        assert c.submit(preset="tiny", idempotency_key="x")["id"] == job["id"]
+        with pytest.raises(ServiceError) as ei:
+            c.submit({"target": {"model": "m"}, "peagle": {"num_depths": 99}})
+        assert ei.value.status == 422 and ei.value.details[0]["param"] == "/peagle/num_depths"
+        assert [j["id"] for j in c.list_jobs(limit=1)] == [job["id"]]
+        jid = job["id"]
+        sim.set(jid, status="running")
+        blob = b"weights" * 1000
+        sim.checkpoint(jid, 8, {"model.safetensors": blob, "config2.json": b"{}"})
+
+        def finish() -> None:
+            time.sleep(0.3)
+            sim.emit(jid, "logs", 3)
+            sim.set(jid, status="succeeded")
+
+        threading.Thread(target=finish).start()
+        env = {"PEAGLE_URL": srv.url, "PEAGLE_API_KEY": key}
+        runner = CliRunner()
+        r = runner.invoke(cli_app, ["jobs", "logs", jid, "--follow"], env=env)
+        assert r.exit_code == 0, r.output
+        assert [ln.split()[-1] for ln in r.output.splitlines()] == ["1", "2", "3"]
+        r = runner.invoke(cli_app, ["jobs", "list"], env=env)
+        assert jid in r.output and "succeeded" in r.output
+        assert json.loads(runner.invoke(cli_app, ["jobs", "get", jid], env=env).output)["id"] == jid
+        # resumable download: a partial file is completed with Range and verified
+        out = tmp_path / "dl"
+        out.mkdir()
+        (out / "model.safetensors.part").write_bytes(blob[:1000])
+        r = runner.invoke(cli_app, ["jobs", "download", jid, "--out", str(out)], env=env)
+        assert r.exit_code == 0, r.output
+        assert hashlib.sha256((out / "model.safetensors").read_bytes()).digest() == hashlib.sha256(blob).digest()
+        r = runner.invoke(cli_app, ["jobs", "cancel", jid], env=env)
+        assert r.exit_code == 1 and "illegal_transition" in r.output
+        r = runner.invoke(cli_app, ["jobs", "submit", "--preset", "tiny", "--dry-run"], env=env)
+        assert r.exit_code == 0 and json.loads(r.output)["object"] == "estimate"

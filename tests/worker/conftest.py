@@ -1,0 +1,234 @@
+"""Fixtures for worker tests: a migrated database, real Celery worker and reaper processes.
+
+`stack` builds one service stack per test on one of two backends:
+- `embedded`: SQLite + Celery's `filesystem://` broker under the test's tmp dir (no services);
+- `services`: a fresh PostgreSQL database + Redis (broker and live channel), via `postgres_url`/`redis_url`.
+Each test gets its own queue name, so concurrent workers of other tests never take its jobs.
+Every process started here is in its own process group and is killed at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
+
+
+def migrate(url: str) -> None:
+    """`alembic upgrade head` on `url`."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config(str(REPO / "alembic.ini"))
+    cfg.attributes["url"] = url
+    command.upgrade(cfg, "head")
+
+
+def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+class Stack:
+    """Database + broker + processes of one test. `env` is what worker/reaper processes get."""
+
+    def __init__(self, tmp: Path, *, database_url: str, broker_url: str | None, redis_url: str | None,
+                 fake_trainer: bool) -> None:
+        from api.db.session import make_engine, make_session_factory
+        from api.settings import Settings
+
+        self.tmp = tmp
+        self.queue = f"q{uuid.uuid4().hex[:8]}"
+        self.env = {
+            **os.environ,
+            "PEAGLE_HOME": str(tmp / "home"),
+            "PEAGLE_DATABASE_URL": database_url,
+            "PEAGLE_WORKER_QUEUE": self.queue,
+            "PEAGLE_HEARTBEAT_SECONDS": "0.3",
+            "PEAGLE_LEASE_SECONDS": "2.5",
+            "PEAGLE_KILL_GRACE_SECONDS": "8",
+            "PEAGLE_LOG_LEVEL": "info",
+            "PYTHONUNBUFFERED": "1",
+        }
+        for key, value in (("PEAGLE_BROKER_URL", broker_url), ("PEAGLE_REDIS_URL", redis_url)):
+            if value:
+                self.env[key] = value
+            else:
+                self.env.pop(key, None)
+        if fake_trainer:
+            self.env["PEAGLE_TRAINER_COMMAND"] = f"{sys.executable} {FAKE_TRAINER}"
+        else:
+            self.env.pop("PEAGLE_TRAINER_COMMAND", None)
+        fields = {k[len("PEAGLE_"):].lower(): v for k, v in self.env.items() if k.startswith("PEAGLE_")}
+        self.settings = Settings(**{k: v for k, v in fields.items() if k in Settings.model_fields})
+        migrate(database_url)
+        self.engine = make_engine(database_url)
+        self.factory = make_session_factory(self.engine)
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.producer: Any = None
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        log = (self.tmp / f"{name}-{len(self.procs)}.log").open("wb")
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**self.env, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        """A real Celery worker process (`python -m worker`) on this test's queue."""
+        return self._spawn(["-m", "worker", "--queue", self.queue, "--no-reaper",
+                            "--hostname", f"w{len(self.procs)}-{self.queue}@localhost"], "worker", env)
+
+    def start_reaper(self) -> subprocess.Popen[Any]:
+        """The reaper loop (`python -m worker.reaper`), passes every 0.5 s."""
+        return self._spawn(["-m", "worker.reaper", "--interval", "0.5"], "reaper")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs:  # test processes: no graceful stop needed (trainers die with them)
+            kill_group(proc)
+        for proc in self.procs:
+            proc.wait(timeout=10)
+        if self.producer is not None:
+            self.producer.close()
+        self.engine.dispose()
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit(self, spec: dict[str, Any], *, max_restarts: int | None = None) -> str:
+        """Insert a queued job for a test owner and send it to the broker (as the API does)."""
+        from api.db.models import Job, Owner, utcnow
+        from api.db.session import session_scope
+        from api.queue import make_producer
+
+        with session_scope(self.factory) as s:
+            owner = s.execute(sa.select(Owner).where(Owner.name == "tests")).scalar()
+            if owner is None:
+                owner = Owner(name="tests")
+                s.add(owner)
+                s.flush()
+            now = utcnow()
+            job = Job(owner_id=owner.id, name=spec.get("name") or "", spec=spec, status="queued", progress={},
+                      attempt=0, queue=self.queue, created_at=now, queued_at=now, updated_at=now,
+                      max_restarts=spec["resources"]["max_restarts"] if max_restarts is None else max_restarts)
+            s.add(job)
+            s.flush()
+            job_id = job.id
+        if self.producer is None:
+            self.producer = make_producer(self.settings)
+        task_id = self.producer.send_train(job_id, self.queue)
+        self.set(job_id, celery_task_id=task_id)
+        return job_id
+
+    def add_dataset(self, path: Path) -> str:
+        """A `dataset` row of owner `tests` for a local file; returns its id."""
+        from api.db.models import Dataset, Owner
+        from api.db.session import session_scope
+
+        with session_scope(self.factory) as s:
+            owner = s.execute(sa.select(Owner).where(Owner.name == "tests")).scalar()
+            if owner is None:
+                owner = Owner(name="tests")
+                s.add(owner)
+                s.flush()
+            ds = Dataset(owner_id=owner.id, filename=path.name, path=str(path), size=path.stat().st_size,
+                         sha256="0" * 64, format="messages", status="ready", report={})
+            s.add(ds)
+            s.flush()
+            return ds.id
+
+    def set(self, job_id: str, **values: Any) -> None:
+        from api.db.models import Job
+        from api.db.session import session_scope
+
+        with session_scope(self.factory) as s:
+            s.execute(sa.update(Job).where(Job.id == job_id).values(**values))
+
+    def job(self, job_id: str) -> Any:
+        from api.db.models import Job
+
+        with self.factory() as s:
+            return s.get(Job, job_id)
+
+    def rows(self, model: Any, job_id: str) -> list[Any]:
+        with self.factory() as s:
+            return list(s.execute(sa.select(model).where(model.job_id == job_id).order_by(model.seq)).scalars())
+
+    def wait(self, job_id: str, pred: Callable[[Any], bool], timeout: float = 60.0, what: str = "") -> Any:
+        """Poll the job row until `pred(job)`; fail with the job and the process logs on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.job(job_id)
+            if pred(job):
+                return job
+            if time.monotonic() > deadline:
+                pytest.fail(f"timeout waiting for {what or 'condition'}: status={job.status} phase={job.phase} "
+                            f"attempt={job.attempt} error={job.error_code}: {job.error_message}\n{self.logs()}")
+            time.sleep(0.1)
+
+    def wait_status(self, job_id: str, *statuses: str, timeout: float = 60.0) -> Any:
+        return self.wait(job_id, lambda j: j.status in statuses, timeout, f"status in {statuses}")
+
+
+@pytest.fixture(params=["embedded", "services"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Stack]]:
+    """`make_stack(backend, fake_trainer=True, redis_url=None)` -> a `Stack` (closed at teardown)."""
+    stacks: list[Stack] = []
+
+    def make(backend: str = "embedded", *, fake_trainer: bool = True, redis_url: str | None = None) -> Stack:
+        if backend == "embedded":
+            url = f"sqlite:///{tmp_path / 'home' / 'peagle.db'}"
+            stack = Stack(tmp_path, database_url=url, broker_url=None, redis_url=redis_url,
+                          fake_trainer=fake_trainer)
+        else:
+            pg = request.getfixturevalue("postgres_url")
+            redis = redis_url or request.getfixturevalue("redis_url")
+            stack = Stack(tmp_path, database_url=pg, broker_url=redis, redis_url=redis, fake_trainer=fake_trainer)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.close()
+
+
+@pytest.fixture
+def spec_for() -> Callable[..., dict[str, Any]]:
+    """`spec_for(steps=, every=, max_restarts=, data_path=)`: a job spec (see `fake_spec`)."""
+    return fake_spec
+
+
+def fake_spec(steps: int = 12, every: int = 4, max_restarts: int = 2, data_path: str | None = None) -> dict[str, Any]:
+    """The tiny preset with a given number of steps (the fake trainer reads optim/checkpoints/data)."""
+    from peagle.spec import preset
+
+    spec = preset("tiny").model_dump(mode="json")
+    spec["optim"]["max_steps"] = steps
+    spec["checkpoints"]["every_steps"] = every
+    spec["resources"]["max_restarts"] = max_restarts
+    if data_path:
+        spec["data"]["sources"] = [{"path": data_path, "format": "auto", "max_samples": None, "skip": 0}]
+    return spec

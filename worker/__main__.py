@@ -1,0 +1,5 @@
+"""`python -m worker ...` runs one Celery training worker (see `worker.app.main`)."""
+
+from worker.app import main
+
+raise SystemExit(main())

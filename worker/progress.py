@@ -1,0 +1,172 @@
+"""Turn the trainer's JSON-lines progress stream into database batches (`api.db.lease.Batch`).
+
+The trainer prints one JSON object per line (`common.md`, "Progress stream"): metrics, events (phase,
+progress, checkpoint, eval, warning, resumed, export, error) and logs. `ProgressCollector.add` files each
+record into the pending batch; `take()` hands the batch over and starts a new one. Progress events update
+only the job row (one value, not a history); every other event becomes a `job_event` row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from api.db.lease import Batch
+
+__all__ = ["ProgressCollector", "parse_line"]
+
+_MAX_MESSAGE = 8000
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """Parse one stdout line: a progress record (dict with `type`), or None for any other text."""
+    text = line.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("type"), str) else None
+
+
+def _when(rec: dict[str, Any]) -> datetime:
+    t = rec.get("time")
+    if isinstance(t, int | float) and math.isfinite(t):
+        return datetime.fromtimestamp(float(t), UTC)
+    return datetime.now(UTC)
+
+
+def _finite_values(values: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if isinstance(values, dict):
+        for k, v in values.items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v)):
+                out[str(k)] = float(v)
+    return out
+
+
+class ProgressCollector:
+    """Accumulates records into a `Batch`; remembers the phase, last error and checkpoints seen."""
+
+    def __init__(self) -> None:
+        self.batch = Batch()
+        self.phase: str | None = None
+        self.last_error: dict[str, Any] | None = None
+        self.last_checkpoint_step: int | None = None
+        self.checkpoints_seen = 0
+        self.last_metric_step: int | None = None
+        self._rate_origin: tuple[float, int] | None = None  # (monotonic time, step) of the first progress
+
+    def __len__(self) -> int:
+        b = self.batch
+        return len(b.metrics) + len(b.events) + len(b.logs) + len(b.checkpoints)
+
+    def take(self) -> Batch:
+        """The pending batch (possibly empty); a fresh one starts."""
+        batch, self.batch = self.batch, Batch()
+        return batch
+
+    def log(self, level: str, message: str, when: datetime | None = None) -> None:
+        """Append a log line (stderr, non-JSON stdout, supervisor notes)."""
+        self.batch.logs.append(
+            {"level": level, "message": message[:_MAX_MESSAGE], "time": when or datetime.now(UTC)}
+        )
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        """Append a supervisor event (attempt started, stop requested, ...)."""
+        self.batch.events.append({"kind": kind, "phase": self.phase, "message": message[:_MAX_MESSAGE],
+                                  "data": data or {}, "time": datetime.now(UTC)})
+
+    def add_line(self, line: str) -> None:
+        """File one stdout line (a record, or plain text kept as an info log)."""
+        rec = parse_line(line)
+        if rec is None:
+            text = line.rstrip("\n")
+            if text.strip():
+                self.log("info", text)
+            return
+        self.add(rec)
+
+    def add(self, rec: dict[str, Any]) -> None:
+        """File one parsed progress record."""
+        kind = rec.get("type")
+        when = _when(rec)
+        if kind == "metric":
+            step = rec.get("step")
+            if not isinstance(step, int):
+                return
+            epoch = rec.get("epoch")
+            self.batch.metrics.append({"step": step, "epoch": float(epoch) if isinstance(epoch, int | float) else None,
+                                       "values": _finite_values(rec.get("values")), "time": when})
+            self.last_metric_step = step
+        elif kind == "log":
+            self.log(str(rec.get("level") or "info"), str(rec.get("message") or ""), when)
+        elif kind == "event":
+            self._event(rec, when)
+
+    def _event(self, rec: dict[str, Any], when: datetime) -> None:
+        kind = str(rec.get("kind") or "event")
+        data = {k: v for k, v in rec.items() if k not in ("type", "time", "kind", "message")}
+        message = str(rec.get("message") or "")
+        if kind == "progress":
+            self.batch.progress = self._progress(rec)
+            return
+        if kind == "phase":
+            self.phase = str(rec.get("phase") or "") or None
+            self.batch.phase = self.phase
+            message = message or f"phase: {self.phase}"
+        elif kind == "checkpoint":
+            step = int(rec.get("step") or 0)
+            self.batch.checkpoints.append({
+                "step": step, "dir": str(rec.get("dir") or f"checkpoints/step_{step:06d}"),
+                "files": rec.get("files") or [], "metrics": _finite_values(rec.get("metrics")),
+                "is_best": bool(rec.get("is_best")),
+            })
+            self.last_checkpoint_step = step
+            self.checkpoints_seen += 1
+            message = message or f"checkpoint saved at step {step}" + (" (best so far)" if rec.get("is_best") else "")
+        elif kind == "error":
+            self.last_error = {"code": rec.get("code"), "message": message}
+        elif kind == "eval":
+            self._eval_metrics(rec, when)
+            if not message:
+                shown = {k: v for k, v in _finite_values(rec.get("metrics")).items()
+                         if k in ("eval_loss", "eval_tau_sim", "tau_sim", "acceptance_length")}
+                at = f" at step {rec['step']}" if isinstance(rec.get("step"), int) else ""
+                message = f"evaluation{at}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+        self.batch.events.append({"kind": kind, "phase": self.phase, "message": message[:_MAX_MESSAGE],
+                                  "data": data, "time": when})
+
+    def _eval_metrics(self, rec: dict[str, Any], when: datetime) -> None:
+        """Evaluation results are metric keys too (`eval_*`, `acceptance_length`, `al_pos_{k}`): store
+        them as a metric record at the eval's step (the last training step when it names none)."""
+        raw = rec.get("metrics")
+        metrics: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        values = _finite_values(metrics)
+        per_pos = metrics.get("per_position")
+        if isinstance(per_pos, list):
+            values.update(_finite_values({f"al_pos_{k}": v for k, v in enumerate(per_pos)}))
+        step = rec.get("step") if isinstance(rec.get("step"), int) else self.last_metric_step
+        if values and step is not None:
+            self.batch.metrics.append({"step": step, "epoch": None, "values": values, "time": when})
+
+    def _progress(self, rec: dict[str, Any]) -> dict[str, Any]:
+        step = int(rec.get("step") or 0)
+        total = rec.get("total_steps")
+        total = int(total) if isinstance(total, int | float) and total > 0 else None
+        now = time.monotonic()
+        if self._rate_origin is None:
+            self._rate_origin = (now, step)
+        t0, s0 = self._rate_origin
+        remaining = None
+        if total is not None and step > s0 and now > t0:
+            remaining = round((total - step) * (now - t0) / (step - s0), 1)
+        return {
+            "step": step, "total_steps": total, "epoch": rec.get("epoch"),
+            "percent": round(100.0 * step / total, 2) if total else None,
+            "seconds_remaining": remaining,
+        }

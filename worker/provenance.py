@@ -1,0 +1,90 @@
+"""Provenance of a job attempt, gathered by the worker without importing torch or touching CUDA.
+
+Package versions come from installed metadata, the git revision from `git`, GPUs from `nvidia-smi` (if
+present) and `CUDA_VISIBLE_DEVICES`. The trainer writes its own `provenance.json` into the run directory;
+The supervisor folds it (and `resolved_spec.json`) into what the job row stores.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read_json", "worker_provenance"]
+
+PACKAGES = ("peagle", "torch", "transformers", "tokenizers", "safetensors", "numpy", "celery", "kombu",
+            "sqlalchemy", "pydantic")
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def _git(repo: Path) -> dict[str, Any] | None:
+    if shutil.which("git") is None:
+        return None
+    rev = _run(["git", "rev-parse", "HEAD"], cwd=repo)
+    if rev is None:
+        return None
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
+    return {"revision": rev, "dirty": bool(status)}
+
+
+def _gpus() -> list[dict[str, str]]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"])
+    gpus = []
+    for line in (out or "").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4:
+            gpus.append(dict(zip(("index", "name", "memory_total", "driver"), parts, strict=True)))
+    return gpus
+
+
+def worker_provenance(*, argv: list[str], attempt: int, lease_owner: str) -> dict[str, Any]:
+    """What the worker knows about this attempt: host, packages, git revision, GPUs, command."""
+    repo = Path(__file__).resolve().parent.parent
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "packages": _versions(),
+        "git": _git(repo),
+        "gpus": _gpus(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "argv": argv,
+        "attempt": attempt,
+        "lease_owner": lease_owner,
+    }
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None if missing or unreadable (written by another process)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,136 @@
+"""The reaper: requeue jobs whose worker died (lease lapsed), and (re)send jobs that have no message.
+
+    python -m worker.reaper [--interval SECONDS] [--once]
+
+Each pass, in the database (safe to run several reapers: every change is a conditional UPDATE):
+- a `running` job whose `lease_expires_at` passed is requeued with `attempt + 1` and an event
+  "resumed from checkpoint step N (attempt k)"; its next attempt resumes from the last complete
+  checkpoint (`peagle train --resume auto`). After `max_restarts` requeues it fails (`worker_lost`).
+  A lapsed `pausing` job becomes `paused`, a lapsed `cancelling` one `cancelled`;
+- a `queued` job with no broker message recorded (`celery_task_id` null, e.g. the send failed, or its
+  worker was stopping) is sent.
+With `--resend-queued Q1,Q2` it first sends a message for every queued job on those queues: the
+`filesystem://` broker has no acknowledgements, so a message that a stopped worker had reserved is
+gone. `python -m worker` does this on start in embedded mode. A duplicate message is harmless: a job is
+claimed once (`api.db.lease.claim_job`), the other task returns at once.
+The broker is never asked to redeliver anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.db import states
+from api.db.lease import ReapAction, queued_jobs, reap_lapsed, unsent_queued_jobs
+from api.db.models import Job
+from api.db.session import make_engine, make_session_factory, session_scope
+from api.queue import make_producer
+from api.settings import Settings, get_settings
+from worker.live import Publisher
+
+__all__ = ["main", "reap_once", "run_reaper"]
+
+log = logging.getLogger(__name__)
+
+
+def _send(factory: sessionmaker[Session], producer: Any, job_id: str, queue: str) -> bool:
+    try:
+        task_id = producer.send_train(job_id, queue)
+    except Exception as exc:  # noqa: BLE001 - broker down: try again next pass
+        log.warning("reaper: cannot send job %s to %s (%s); will retry", job_id, queue, exc)
+        return False
+    with session_scope(factory) as s:
+        s.execute(sa.update(Job).where(Job.id == job_id, Job.status == states.QUEUED)
+                  .values(celery_task_id=task_id).execution_options(synchronize_session=False))
+    return True
+
+
+def reap_once(factory: sessionmaker[Session], producer: Any, *, resend_after: float = 10.0,
+              publisher: Publisher | None = None) -> list[ReapAction]:
+    """One pass: requeue/fail lapsed jobs, send queued jobs that have no message. Returns the actions."""
+    with session_scope(factory) as s:
+        actions = reap_lapsed(s)
+    for act in actions:
+        log.warning("reaper: job %s -> %s: %s", act.job_id, act.status, act.message)
+        if publisher is not None:
+            publisher.publish_status(act.job_id, act.status)
+        if act.status == states.QUEUED:
+            _send(factory, producer, act.job_id, act.queue)
+    with session_scope(factory) as s:
+        unsent = unsent_queued_jobs(s, older_than=resend_after)
+    for job_id, queue in unsent:
+        log.info("reaper: sending queued job %s (no broker message recorded)", job_id)
+        _send(factory, producer, job_id, queue)
+    return actions
+
+
+def resend_queued(factory: sessionmaker[Session], producer: Any, queues: list[str]) -> int:
+    """Send a message for every queued job on `queues` (after a restart of the embedded broker's worker)."""
+    with session_scope(factory) as s:
+        jobs = queued_jobs(s, queues)
+    return sum(_send(factory, producer, job_id, queue) for job_id, queue in jobs)
+
+
+def run_reaper(settings: Settings, *, interval: float, stop: threading.Event,
+               resend_queues: list[str] | None = None) -> None:
+    """Reap every `interval` seconds until `stop` is set (database errors are logged, not fatal)."""
+    engine = make_engine(settings.resolved_database_url())
+    factory = make_session_factory(engine)
+    producer = make_producer(settings)
+    publisher = Publisher(settings.redis_url) if settings.redis_url else None
+    try:
+        if resend_queues:
+            n = resend_queued(factory, producer, resend_queues)
+            log.info("reaper: re-sent %d queued job(s) on %s", n, ",".join(resend_queues))
+        while not stop.is_set():
+            try:
+                reap_once(factory, producer, resend_after=max(5.0, 2 * interval), publisher=publisher)
+            except sa.exc.SQLAlchemyError as exc:
+                log.warning("reaper: database error (%s); retrying", exc)
+            stop.wait(interval)
+    finally:
+        if publisher is not None:
+            publisher.close()
+        producer.close()
+        engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m worker.reaper`: the periodic reaper (stops cleanly on SIGTERM/SIGINT)."""
+    parser = argparse.ArgumentParser(prog="python -m worker.reaper", description=__doc__.split("\n")[0])
+    parser.add_argument("--interval", type=float, default=None,
+                        help="seconds between passes (default lease_seconds / 4, at least 1)")
+    parser.add_argument("--once", action="store_true", help="one pass, then exit")
+    parser.add_argument("--resend-queued", default=None, metavar="QUEUES",
+                        help="first send a message for every queued job on these queues (comma-separated)")
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    interval = args.interval or max(1.0, settings.lease_seconds / 4)
+    stop = threading.Event()
+    if args.once:
+        stop.set()
+        engine = make_engine(settings.resolved_database_url())
+        producer = make_producer(settings)
+        try:
+            reap_once(make_session_factory(engine), producer)
+        finally:
+            producer.close()
+            engine.dispose()
+        return 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    resend = [q for q in (args.resend_queued or "").split(",") if q]
+    run_reaper(settings, interval=interval, stop=stop, resend_queues=resend)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,451 @@
+"""The thin supervisor of one job attempt: trainer child process -> database + live channel.
+
+    Supervisor(settings, factory, lease, send_task=..., publisher=...).run()  -> final status
+
+1. Writes the job spec into the run directory (`artifact_root/<job_id>/job_spec.json`) and starts
+   `python -m peagle train SPEC --out RUN --progress-jsonl - --resume auto` (`torchrun` for gpus > 1) in
+   its own process group, with a parent-death signal so it never outlives the supervisor.
+2. Reader threads collect its stdout (JSON lines) and stderr; the loop writes a batch every
+   `flush_seconds` (one transaction, fenced by the lease) and wakes live listeners on Redis.
+3. Every `heartbeat_seconds` it extends the lease and reads the desired state: pause/cancel send SIGTERM
+   to the trainer's group (it checkpoints and exits 75), SIGKILL after `kill_grace_seconds`.
+4. On exit it maps the exit code (`peagle.errors.EXIT_CODES`) and stderr OOM signatures to the job's
+   final state and error code. A trainer killed by a signal it was not sent is a crash: the job is
+   requeued (attempt+1, resumes from its last complete checkpoint) up to `max_restarts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.db import states
+from api.db.lease import (
+    Lease,
+    LeaseLost,
+    dataset_files,
+    expire_lease,
+    finish,
+    heartbeat,
+    ingest,
+    requeue_or_fail,
+)
+from api.db.models import Job
+from api.db.session import session_scope
+from api.settings import Settings
+from peagle.errors import EXIT_CODES
+from worker.live import Publisher
+from worker.progress import ProgressCollector, parse_line
+from worker.provenance import read_json, worker_provenance
+
+__all__ = ["Outcome", "Supervisor", "build_command", "classify_exit"]
+
+log = logging.getLogger(__name__)
+
+CODE_BY_EXIT = {v: k for k, v in EXIT_CODES.items()}
+CUDA_OOM = ("CUDA out of memory", "OutOfMemoryError: CUDA", "torch.OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
+HOST_OOM = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "DefaultCPUAllocator: can't allocate")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def build_command(settings: Settings, spec: dict[str, Any], spec_path: Path, run_dir: Path) -> list[str]:
+    """The trainer command line: `peagle train` (under `torchrun` when the job asks for > 1 GPU)."""
+    gpus = int((spec.get("resources") or {}).get("gpus") or 0)
+    tail = ["train", str(spec_path), "--out", str(run_dir), "--progress-jsonl", "-", "--resume", "auto"]
+    if settings.trainer_command:
+        return [*shlex.split(settings.trainer_command), *tail]
+    if gpus > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+                "--module", "peagle", *tail]
+    return [sys.executable, "-m", "peagle", *tail]
+
+
+def classify_exit(returncode: int, stderr_tail: list[str], last_error: dict[str, Any] | None
+                  ) -> tuple[str, str, bool]:
+    """(error_code, message, retryable) of a failed trainer exit (returncode not 0 and not 75).
+
+    The exit code names the failure (`EXIT_CODES`); a generic exit 1 is refined by OOM signatures in
+    stderr; the message is the trainer's last error event, else the last stderr line.
+    """
+    text = "\n".join(stderr_tail)
+    code = CODE_BY_EXIT.get(returncode, "training_failed")
+    if code in ("error", "usage", "training_failed"):
+        if any(sig in text for sig in CUDA_OOM):
+            code = "cuda_oom"
+        elif any(sig in text for sig in HOST_OOM):
+            code = "host_oom"
+        else:
+            code = "training_failed"
+    message = (last_error or {}).get("message") or ""
+    if not message:
+        lines = [ln.strip() for ln in stderr_tail if ln.strip()]
+        message = lines[-1] if lines else f"trainer exited with code {returncode}"
+    if code == "cuda_oom" and "out of memory" not in message.lower():
+        message = f"CUDA out of memory: {message}"
+    if code == "host_oom" and "memory" not in message.lower():
+        message = f"host out of memory: {message}"
+    return code, message, code in ("resource_unavailable",)
+
+
+class Outcome:
+    """Final status names returned by `Supervisor.run` besides job states."""
+
+    LEASE_LOST = "lease_lost"
+
+
+class Supervisor:
+    """Runs one attempt of one job; see the module docstring."""
+
+    def __init__(self, settings: Settings, factory: sessionmaker[Session], lease: Lease, *,
+                 send_task: Callable[[str, str], str] | None = None, publisher: Publisher | None = None,
+                 flush_seconds: float = 0.5) -> None:
+        self.settings = settings
+        self.factory = factory
+        self.lease = lease
+        self.send_task = send_task
+        self.publisher = publisher
+        self.flush_seconds = flush_seconds
+        self.run_dir = settings.resolved_artifact_root() / lease.job_id
+        self.collector = ProgressCollector()
+        self.lines: queue.Queue[tuple[str, str] | None] = queue.Queue()
+        self.stderr_tail: deque[str] = deque(maxlen=200)
+        self.proc: subprocess.Popen[str] | None = None
+        self.status = states.RUNNING
+        self.term_sent_at: float | None = None
+        self.kill_sent = False
+        self.checkpoints_at_term = 0
+        self.shutdown = False
+        self.have_run_files = False
+        self._have_resolved = False
+        self._files_checked_at = 0.0
+        self._known_steps: set[int] = set()
+        self.worker_prov: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- process control
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def _request_stop(self, why: str) -> None:
+        if self.term_sent_at is None:
+            self.term_sent_at = time.monotonic()
+            self.checkpoints_at_term = self.collector.checkpoints_seen
+            self.collector.event("stopping", f"{why}: SIGTERM sent to the trainer (it saves a checkpoint)")
+            self._signal_group(signal.SIGTERM)
+
+    def _on_sigterm(self, _signum: int, _frame: Any) -> None:
+        self.shutdown = True  # the worker is stopping: checkpoint, then requeue the job
+
+    def _reader(self, stream: Any, name: str) -> None:
+        try:
+            for line in stream:
+                self.lines.put((name, line))
+        finally:
+            self.lines.put(None)
+
+    # ---------------------------------------------------------------- database
+
+    def _flush(self, final: bool = False) -> None:
+        """Write the pending batch (retrying later on database errors); raises LeaseLost."""
+        self._pick_up_run_files(force=final)
+        batch = self.collector.take()
+        if not batch:
+            return
+        try:
+            with session_scope(self.factory) as s:
+                seqs = ingest(s, self.lease, batch)
+        except SQLAlchemyError as exc:
+            log.warning("job %s: database write failed (%s); retrying", self.lease.job_id, exc)
+            self._requeue_batch(batch)
+            if final:
+                raise
+            return
+        if self.publisher is not None:
+            self.publisher.publish(self.lease.job_id, seqs, self.status)
+
+    def _requeue_batch(self, batch: Any) -> None:
+        pending = self.collector.take()
+        for name in ("metrics", "events", "logs", "checkpoints", "missing_checkpoint_steps"):
+            getattr(batch, name).extend(getattr(pending, name))
+        for name in ("progress", "phase", "resolved_spec", "provenance"):
+            if getattr(pending, name) is not None:
+                setattr(batch, name, getattr(pending, name))
+        self.collector.batch = batch
+
+    def _pick_up_run_files(self, force: bool = False) -> None:
+        """Fold the trainer's resolved spec + provenance into the job row (once); prune deleted checkpoints."""
+        batch = self.collector.batch
+        now = time.monotonic()
+        if not self.have_run_files and (force or now - self._files_checked_at > 2.0):
+            self._files_checked_at = now
+            if not self._have_resolved:
+                resolved = read_json(self.run_dir / "resolved_spec.json")
+                if resolved is not None:
+                    batch.resolved_spec = resolved
+                    self._have_resolved = True
+            trainer = read_json(self.run_dir / "provenance.json")
+            if trainer is not None:
+                batch.provenance = {"worker": self.worker_prov, "trainer": trainer}
+                self.have_run_files = self._have_resolved
+        if batch.checkpoints:
+            new = {int(c["step"]) for c in batch.checkpoints}
+            ck_root = self.run_dir / "checkpoints"
+            gone = sorted(s for s in self._known_steps - new
+                          if not (ck_root / f"step_{s:06d}" / "COMPLETE").exists())
+            batch.missing_checkpoint_steps = gone
+            self._known_steps = (self._known_steps | new) - set(gone)
+
+    def _heartbeat(self) -> None:
+        with session_scope(self.factory) as s:
+            control = heartbeat(s, self.lease, lease_seconds=self.settings.lease_seconds)
+        self.status = control.status
+        if control.status == states.PAUSING or control.desired_state == states.PAUSED:
+            self._request_stop("pause requested")
+        elif control.status == states.CANCELLING or control.desired_state == states.CANCELLED:
+            self._request_stop("cancel requested")
+
+    # ---------------------------------------------------------------- main loop
+
+    def run(self) -> str:
+        """Supervise the attempt to its end; returns the job's final status (or `Outcome.LEASE_LOST`)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        spec, missing = self._resolve_datasets(self.lease.spec)
+        if missing:
+            return self._end(states.FAILED, "data_invalid", missing, False, ("error", f"data_invalid: {missing}"))
+        spec_path = self.run_dir / "job_spec.json"
+        tmp = spec_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec, indent=2), encoding="utf-8")
+        tmp.replace(spec_path)
+        argv = build_command(self.settings, spec, spec_path, self.run_dir)
+        self.worker_prov = worker_provenance(argv=argv, attempt=self.lease.attempt, lease_owner=self.lease.owner)
+        self.collector.batch.provenance = {"worker": self.worker_prov, "trainer": None}
+        self.collector.event("started", f"attempt {self.lease.attempt} started on {self.worker_prov['host']}",
+                             {"argv": argv, "lease_owner": self.lease.owner})
+        self._backfill()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._supervise(argv)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _resolve_datasets(self, spec: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """The spec the trainer gets: `dataset:<id>` sources become the uploaded file's local path."""
+        sources = (spec.get("data") or {}).get("sources") or []
+        ids = [str(src["path"])[len("dataset:"):] for src in sources if str(src.get("path", "")).startswith("dataset:")]
+        if not ids:
+            return spec, None
+        with session_scope(self.factory) as s:
+            files = dataset_files(s, self.lease.job_id, ids)
+        out = json.loads(json.dumps(spec))
+        for i, src in enumerate(out["data"]["sources"]):
+            if str(src.get("path", "")).startswith("dataset:"):
+                ds_id = src["path"][len("dataset:"):]
+                if ds_id not in files:
+                    return spec, f"data.sources.{i}.path: dataset {ds_id!r} not found"
+                src["path"] = files[ds_id]
+        return out, None
+
+    def _backfill(self) -> None:
+        """Recover what a killed attempt printed but never stored, from RUN/progress.jsonl.
+
+        A trainer killed between printing a record and the supervisor's next flush leaves a newer
+        checkpoint on disk than metrics in the database; the resumed trainer restarts after that
+        checkpoint, so those steps would be a gap. The trainer also appends every record to
+        RUN/progress.jsonl: metrics above the stored floor and unknown checkpoints are ingested from it,
+        and the floor rises to what was recovered (the resumed trainer's replays are then dropped).
+        """
+        path = self.run_dir / "progress.jsonl"
+        if not path.exists():
+            return
+        floor = self.lease.metric_floor
+        seen: set[tuple[int, tuple[str, ...]]] = set()
+        known = self.lease.latest_checkpoint_step
+        top = floor
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                rec = parse_line(line)
+                if rec is None:
+                    continue
+                if rec["type"] == "metric" and isinstance(rec.get("step"), int):
+                    key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
+                    if (floor is None or rec["step"] > floor) and key not in seen:
+                        seen.add(key)
+                        self.collector.add(rec)
+                        top = rec["step"] if top is None else max(top, rec["step"])
+                elif rec["type"] == "event" and rec.get("kind") == "checkpoint" and \
+                        int(rec.get("step") or 0) > (known or 0):
+                    self.collector.add(rec)
+                elif rec["type"] == "event" and rec.get("kind") == "eval" and isinstance(rec.get("step"), int) \
+                        and (floor is None or rec["step"] > floor):
+                    key = (rec["step"], ("eval",))
+                    if key not in seen:
+                        seen.add(key)
+                        self.collector.add(rec)
+        if seen:
+            self.collector.log("warning", f"recovered {len(seen)} metric record(s) of the previous attempt "
+                                          f"from progress.jsonl (up to step {top})")
+        self._flush()  # with the old floor, then raise it
+        self.lease = replace(self.lease, metric_floor=top)
+        self.collector.checkpoints_seen = 0
+
+    def _supervise(self, argv: list[str]) -> str:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PEAGLE_JOB_ID": self.lease.job_id,
+               "PEAGLE_ATTEMPT": str(self.lease.attempt)}
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                bufsize=1, errors="replace", env=env, start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            return self._end(states.FAILED, "trainer_start_failed", f"cannot start the trainer: {exc}", False)
+        self.collector.event("trainer", f"trainer started (pid {self.proc.pid})", {"pid": self.proc.pid})
+        readers = [threading.Thread(target=self._reader, args=(s, n), daemon=True)
+                   for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+        for t in readers:
+            t.start()
+        open_streams = 2
+        next_flush = next_beat = time.monotonic()
+        try:
+            while open_streams or self.proc.poll() is None:
+                try:
+                    item = self.lines.get(timeout=0.1)
+                except queue.Empty:
+                    item = ("", "")
+                if item is None:
+                    open_streams -= 1
+                elif item[0] == "out":
+                    self.collector.add_line(item[1])
+                elif item[0] == "err":
+                    self._stderr(item[1])
+                now = time.monotonic()
+                if self.shutdown:
+                    self._request_stop("worker shutting down")
+                if self.term_sent_at is not None and not self.kill_sent and \
+                        now - self.term_sent_at > self.settings.kill_grace_seconds:
+                    self.kill_sent = True
+                    self.collector.event("killed", "trainer did not stop within the grace period: SIGKILL sent")
+                    self._signal_group(signal.SIGKILL)
+                if now >= next_beat:
+                    next_beat = now + self.settings.heartbeat_seconds
+                    try:
+                        self._heartbeat()
+                    except SQLAlchemyError as exc:
+                        log.warning("job %s: heartbeat failed (%s)", self.lease.job_id, exc)
+                if now >= next_flush or len(self.collector) >= 500:
+                    next_flush = now + self.flush_seconds
+                    self._flush()
+            rc = self.proc.wait()
+            self._flush(final=True)
+        except LeaseLost as exc:
+            log.warning("%s: stopping the trainer", exc)
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait()
+            return Outcome.LEASE_LOST
+        finally:
+            if self.proc.poll() is None:  # the supervisor itself failed: never leave a trainer behind
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait()
+        return self._exit(rc)
+
+    def _stderr(self, line: str) -> None:
+        for part in line.replace("\r", "\n").split("\n"):
+            if part.strip():
+                self.stderr_tail.append(part)
+                low = part.lower()
+                level = "error" if ("error" in low or part.startswith("Traceback")) else "info"
+                self.collector.log(level, part)
+
+    # ---------------------------------------------------------------- outcome
+
+    def _exit(self, rc: int) -> str:
+        with session_scope(self.factory) as s:
+            status = s.execute(sa.select(Job.status).where(Job.id == self.lease.job_id)).scalar()
+        step = self.collector.last_checkpoint_step
+        stopped_cleanly = rc == EXIT_CODES["interrupted"] or (
+            self.term_sent_at is not None and self.collector.checkpoints_seen > self.checkpoints_at_term)
+        where = f"checkpoint step {step}" if step is not None else "the last complete checkpoint"
+        if status == states.CANCELLING:
+            return self._end(states.CANCELLED, None, None, None, ("cancelled", "cancelled by request"))
+        if rc == 0:
+            late = " (the pause request came after the last step)" if status == states.PAUSING else ""
+            return self._end(states.SUCCEEDED, None, None, None, ("succeeded", "training finished" + late))
+        if status == states.PAUSING and (stopped_cleanly or self.kill_sent):
+            return self._end(states.PAUSED, None, None, None, ("paused", f"paused; resume continues from {where}"))
+        if self.shutdown and stopped_cleanly:
+            return self._requeue(f"worker shut down; requeued, resumes from {where}")
+        if rc < 0 or rc == EXIT_CODES["interrupted"]:
+            name = signal.Signals(-rc).name if rc < 0 else "SIGTERM"
+            why = f"trainer killed by {name}" + (" (the kernel OOM killer sends SIGKILL)" if rc == -9 else "")
+            return self._crash(why, "host_oom" if rc == -9 else "trainer_killed")
+        code, message, retryable = classify_exit(rc, list(self.stderr_tail), self.collector.last_error)
+        return self._end(states.FAILED, code, message, retryable, ("error", f"{code}: {message}"))
+
+    def _end(self, status: str, code: str | None, message: str | None, retryable: bool | None,
+             event: tuple[str, str] | None = None) -> str:
+        with session_scope(self.factory) as s:
+            ok = finish(s, self.lease, status=status, error_code=code, error_message=message,
+                        retryable=retryable, event=event)
+        if not ok:
+            return Outcome.LEASE_LOST
+        if self.publisher is not None:
+            self.publisher.publish_status(self.lease.job_id, status)
+        return status
+
+    def _requeue(self, message: str) -> str:
+        # No message is sent here: the worker is stopping and could still take it (then die with it).
+        # The job is queued with no task id, so a reaper sends it once a worker is there.
+        return self._end(states.QUEUED, None, None, None, ("interrupted", message))
+
+    def _crash(self, why: str, code: str) -> str:
+        with session_scope(self.factory) as s:
+            job = s.get(Job, self.lease.job_id) if expire_lease(s, self.lease) else None
+            act = requeue_or_fail(s, job, reason=why, code=code) if job is not None else None
+        if act is None:
+            return Outcome.LEASE_LOST
+        if act.status == states.QUEUED and not self.shutdown:  # a stopping worker could take it back
+            self._send()
+        if self.publisher is not None:
+            self.publisher.publish_status(self.lease.job_id, act.status)
+        return act.status
+
+    def _send(self) -> None:
+        if self.send_task is None:
+            return  # the reaper re-sends queued jobs that have no broker message
+        try:
+            task_id = self.send_task(self.lease.job_id, self.lease.queue)
+        except Exception as exc:  # noqa: BLE001 - broker down: the reaper re-sends later
+            log.warning("job %s: requeue message not sent (%s); the reaper will", self.lease.job_id, exc)
+            return
+        with session_scope(self.factory) as s:
+            s.execute(sa.update(Job).where(Job.id == self.lease.job_id, Job.celery_task_id.is_(None))
+                      .values(celery_task_id=task_id).execution_options(synchronize_session=False))

@@ -1,0 +1,81 @@
+"""The Celery task `peagle.train(job_id)`: claim the job, supervise its trainer, finish.
+
+The task is thin and idempotent: it takes only the job id and re-reads the database. A job that is not
+`queued` (cancelled or paused while queued, already claimed by another worker, terminal) is never
+started: the task returns at once. Broad exception handling happens only here, at the task boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from api.db import states
+from api.db.lease import claim_job, finish
+from api.db.session import make_engine, make_session_factory, session_scope
+from api.queue import TRAIN_TASK, make_producer
+from api.settings import Settings
+from worker.live import Publisher
+from worker.supervisor import Supervisor
+
+__all__ = ["NOT_CLAIMED", "register_tasks", "run_job"]
+
+log = logging.getLogger(__name__)
+
+NOT_CLAIMED = "not_claimed"
+
+
+def _sender(settings: Settings) -> Callable[[str, str], str]:
+    def send(job_id: str, queue: str) -> str:
+        producer = make_producer(settings)
+        try:
+            return producer.send_train(job_id, queue)
+        finally:
+            producer.close()
+
+    return send
+
+
+def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) -> str:
+    """Claim and supervise one job; returns its final status (or `NOT_CLAIMED`)."""
+    engine = make_engine(settings.resolved_database_url())
+    factory = make_session_factory(engine)
+    owner = lease_owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    publisher = Publisher(settings.redis_url) if settings.redis_url else None
+    try:
+        with session_scope(factory) as s:
+            lease = claim_job(s, job_id, owner=owner, lease_seconds=settings.lease_seconds,
+                              artifact_dir=str(settings.resolved_artifact_root() / job_id))
+        if lease is None:
+            log.info("job %s is not claimable (not queued, or claimed elsewhere): skipped", job_id)
+            return NOT_CLAIMED
+        if publisher is not None:
+            publisher.publish_status(job_id, states.RUNNING)
+        supervisor = Supervisor(settings, factory, lease, send_task=_sender(settings), publisher=publisher)
+        try:
+            return supervisor.run()
+        except Exception as exc:
+            log.exception("job %s: supervisor failed", job_id)
+            with session_scope(factory) as s:
+                finish(s, lease, status=states.FAILED, error_code="worker_error",
+                       error_message=f"worker error: {type(exc).__name__}: {exc}", retryable=True,
+                       event=("error", f"worker error: {type(exc).__name__}: {exc}"))
+            return states.FAILED
+    finally:
+        if publisher is not None:
+            publisher.close()
+        engine.dispose()
+
+
+def register_tasks(app: Any, settings: Settings) -> Any:
+    """Register `peagle.train` on `app` (settings are closed over: no module-level state)."""
+
+    @app.task(name=TRAIN_TASK, acks_late=False, reject_on_worker_lost=False, ignore_result=True)  # type: ignore[untyped-decorator]
+    def train(job_id: str) -> str:
+        return run_job(settings, job_id)
+
+    return train
