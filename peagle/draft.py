@@ -1,0 +1,440 @@
+"""The P-EAGLE draft network: a Llama-style EAGLE-3 draft with parallel-drafting extras.
+
+Reads top to bottom like `transformers.models.llama.modeling_llama`:
+`DraftConfig` -> `select_attention` -> `attend` (SDPA with a dense bool mask, or flex attention with a
+`BlockMask`) -> `PEagleAttention` -> `PEagleFirstLayer` (fused, 2H attention input) -> `PEagleLayer`
+(plain pre-norm block) -> `PEagleDraft` -> `init_from_target`.
+
+Architecture (peagle.md section 1.5, decision 6):
+- `embed_tokens` [V, H] (initialised from the target, trainable unless frozen by the spec);
+- `fc` [H, 3H] projects the 3 captured target hidden states (or `mask_hidden` at masked slots) to H;
+- `layers.0` attends over `[input_layernorm(emb) ; hidden_norm(hid)]` (2H) with the un-normalised
+  `hid` as residual (`norm_before_residual=false`); `layers.1..L-1` are plain Llama blocks;
+- `norm` (final RMSNorm) and `lm_head` [Vd, H] over the draft vocab (rows of the target's lm_head);
+- `mask_hidden` [1, 1, 3H] ~ N(0, 1): the learned shared hidden state of masked (depth >= 1) slots;
+- buffers `d2t` int64 [Vd] (offsets: target id = i + d2t[i]) and `t2d` bool [V], only when Vd < V.
+
+Parameter and buffer names are exactly the exported (speculators / vLLM) keys, so the export is a plain
+`save_file(draft.state_dict())` (plus a bf16 cast). The rotary `inv_freq` buffers are not persistent.
+
+Weights that must come from the target (`embed_tokens`, `lm_head`) start as NaN so a draft that was
+never initialised with `init_from_target` (or a checkpoint) is detected at the first forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from peagle.errors import TargetLoadError
+
+__all__ = [
+    "AttentionBackend",
+    "DraftConfig",
+    "PEagleAttention",
+    "PEagleDraft",
+    "PEagleFirstLayer",
+    "PEagleLayer",
+    "attend",
+    "expected_state_keys",
+    "init_from_target",
+    "select_attention",
+]
+
+AttentionBackend = Literal["sdpa", "flex"]
+AttnMask = Tensor | BlockMask
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class DraftConfig:
+    """Shape of the draft. Build it with `DraftConfig.from_target` (copies the target's dimensions)."""
+
+    hidden_size: int  # H, equals the target's hidden size
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int  # L: fused first layer + L-1 plain layers
+    vocab_size: int  # V (target vocab; embed_tokens rows)
+    draft_vocab_size: int  # Vd (lm_head rows); == V means no vocab compression
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e4})
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    mask_token_id: int = 0  # token id fed at masked (depth >= 1) slots
+    aux_layer_ids: list[int] = field(default_factory=list)  # vLLM "input of layer" convention
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"draft.mask_token_id must be in [0, {self.vocab_size}), got {self.mask_token_id}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft.draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}"
+            )
+        if self.num_layers < 1:
+            raise ValueError(f"draft.num_layers must be >= 1, got {self.num_layers}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: Any,
+        *,
+        num_layers: int,
+        draft_vocab_size: int | None,
+        mask_token_id: int,
+        aux_layer_ids: list[int],
+    ) -> DraftConfig:
+        """Copy H, heads, head_dim, intermediate size, eps and RoPE from an HF (Llama-like) target config."""
+        h = int(target_config.hidden_size)
+        heads = int(target_config.num_attention_heads)
+        rope = getattr(target_config, "rope_parameters", None)
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": float(getattr(target_config, "rope_theta", 1e4))}
+        rope = {k: v for k, v in dict(rope).items() if k != "partial_rotary_factor"}
+        inter = getattr(target_config, "intermediate_size", None) or 3 * h
+        return cls(
+            hidden_size=h,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(target_config, "head_dim", None) or h // heads),
+            intermediate_size=int(inter),
+            num_layers=num_layers,
+            vocab_size=int(target_config.vocab_size),
+            draft_vocab_size=int(draft_vocab_size or target_config.vocab_size),
+            rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-5)),
+            rope_parameters=rope,
+            max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 4096)),
+            hidden_act=str(getattr(target_config, "hidden_act", "silu")),
+            mask_token_id=mask_token_id,
+            aux_layer_ids=list(aux_layer_ids),
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        """The draft decoder as an HF `LlamaConfig` (the export's `transformer_layer_config`)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            initializer_range=self.initializer_range,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (saved in checkpoints; `DraftConfig(**d)` rebuilds it)."""
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def select_attention(device: torch.device | str, requested: str = "auto") -> AttentionBackend:
+    """Pick the attention backend: compiled flex on CUDA, dense-mask SDPA elsewhere (no flex backward on CPU).
+
+    Args:
+        device: where the draft runs.
+        requested: `auto`, `sdpa` or `flex` (`resources.attention` of the spec).
+    """
+    dev = torch.device(device)
+    if requested == "auto":
+        return "flex" if dev.type == "cuda" else "sdpa"
+    if requested not in ("sdpa", "flex"):
+        raise ValueError(f"resources.attention must be auto, sdpa or flex, got {requested!r}")
+    return requested  # type: ignore[return-value]
+
+
+def _flex_kernel(cache: dict[str, Any], q: Tensor) -> Any:
+    """Compiled flex attention on CUDA with head_dim >= 16 (Inductor's limit), eager flex otherwise."""
+    if q.device.type != "cuda" or q.shape[-1] < 16:
+        return flex_attention
+    if "flex" not in cache:
+        cache["flex"] = torch.compile(flex_attention, dynamic=True)
+    return cache["flex"]
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: AttnMask, cache: dict[str, Any] | None = None, prefix: int = 0
+) -> Tensor:
+    """Masked attention with GQA.
+
+    Args:
+        q: [B, nh, N, hd] queries (RoPE applied).
+        k, v: [B, nkv, N, hd] keys / values.
+        attn_mask: dense bool [N, N] or [B, N, N] (True = visible; SDPA) or a flex `BlockMask`.
+            Rows without any visible key (padding queries) must be given one by the mask builder.
+        cache: holds the compiled flex kernel (one per draft).
+        prefix: P > 0 when the first P queries see only the first P keys (the depth-0 block of a COD
+            row); the dense path then runs two SDPA calls, [P, P] and [N-P, N], instead of [N, N].
+            Checked on the mask (falls back to one call otherwise); the result is the same.
+
+    Returns:
+        [B, nh, N, hd].
+    """
+    if isinstance(attn_mask, BlockMask):
+        kernel = _flex_kernel(cache if cache is not None else {}, q)
+        return kernel(q, k, v, block_mask=attn_mask, enable_gqa=True)
+    mask = attn_mask if attn_mask.dim() == 4 else attn_mask.view(-1, 1, *attn_mask.shape[-2:])  # [B|1, 1, N, N]
+    n = q.shape[2]
+    if 0 < prefix < n and not bool(mask[..., :prefix, prefix:].any()):
+        top = F.scaled_dot_product_attention(
+            q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix], attn_mask=mask[..., :prefix, :prefix],
+            enable_gqa=True,
+        )  # [B, nh, P, hd]
+        rest = F.scaled_dot_product_attention(q[:, :, prefix:], k, v, attn_mask=mask[..., prefix:, :], enable_gqa=True)
+        return torch.cat([top, rest], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class PEagleAttention(nn.Module):
+    """Llama attention with an explicit mask; `input_size` is 2H for the fused first layer, H otherwise."""
+
+    def __init__(self, cfg: DraftConfig, input_size: int) -> None:
+        super().__init__()
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.q_proj = nn.Linear(input_size, nh * hd, bias=False)
+        self.k_proj = nn.Linear(input_size, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(input_size, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.kernel_cache: dict[str, Any] = {}
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0) -> Tensor:
+        """x [B, N, Din], cos/sin [B, N, hd] -> [B, N, H] (`prefix`: see `attend`)."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nh, N, hd]
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, N, hd]
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = attend(q, k, v, attn_mask, self.kernel_cache, prefix)  # [B, nh, N, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoder layers
+# --------------------------------------------------------------------------------------------------
+
+
+class PEagleFirstLayer(nn.Module):
+    """Fused first layer: attention over [input_layernorm(emb) ; hidden_norm(hid)] (2H), residual = hid."""
+
+    def __init__(self, cfg: DraftConfig, llama: LlamaConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.self_attn = PEagleAttention(cfg, 2 * h)
+        self.mlp = LlamaMLP(llama)
+        self.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self, emb: Tensor, hid: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0
+    ) -> Tensor:
+        """emb, hid [B, N, H] -> [B, N, H]."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hid)], dim=-1)  # [B, N, 2H]
+        x = hid + self.self_attn(x, cos, sin, attn_mask, prefix)  # un-normalised residual
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PEagleLayer(nn.Module):
+    """Plain pre-norm Llama block (layers 1..L-1)."""
+
+    def __init__(self, cfg: DraftConfig, llama: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = PEagleAttention(cfg, cfg.hidden_size)
+        self.mlp = LlamaMLP(llama)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0) -> Tensor:
+        """x [B, N, H] -> [B, N, H]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, prefix)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# The draft
+# --------------------------------------------------------------------------------------------------
+
+
+class PEagleDraft(nn.Module):
+    """P-EAGLE draft. `forward` returns pre-norm hidden states; `compute_logits` applies norm + lm_head.
+
+    Example:
+        >>> draft = PEagleDraft(cfg); init_from_target(draft, target, t2d)
+        >>> hidden = draft(input_ids, aux, is_masked, position_ids, mask)   # [1, N, H]
+        >>> logits = draft.compute_logits(hidden[0, supervised])            # [n, Vd]
+    """
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        h, v, vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
+        llama = cfg.llama_config()
+        self.embed_tokens = nn.Embedding(v, h)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.layers = nn.ModuleList(
+            [PEagleFirstLayer(cfg, llama)] + [PEagleLayer(cfg, llama) for _ in range(cfg.num_layers - 1)]
+        )
+        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, vd, bias=False)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * h))
+        if vd < v:
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool))
+        else:
+            self.d2t = None
+            self.t2d = None
+        self.rotary_emb = LlamaRotaryEmbedding(llama)  # inv_freq is a non-persistent buffer
+        self.gradient_checkpointing = False
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name == "mask_hidden" or name.endswith("norm.weight"):
+                continue  # N(0,1) from the constructor / ones from LlamaRMSNorm
+            p.normal_(0.0, std)
+        self.embed_tokens.weight.fill_(math.nan)  # loaded by init_from_target or a checkpoint
+        self.lm_head.weight.fill_(math.nan)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        aux: Tensor,
+        is_masked: Tensor,
+        position_ids: Tensor,
+        attn_mask: AttnMask,
+    ) -> Tensor:
+        """Run the draft over one flat COD sequence (or any sequence with an explicit mask).
+
+        Args:
+            input_ids: [B, N] int64 tokens; ignored (replaced by `mask_token_id`) where `is_masked`.
+            aux: [B, N, 3H] captured target hidden states (concatenated aux layers); ignored where
+                `is_masked` (`mask_hidden` is used there, through a `where` so it is always in the graph).
+            is_masked: [B, N] bool, True at masked (depth >= 1) slots.
+            position_ids: [B, N] int64 RoPE positions (anchor + depth).
+            attn_mask: dense bool [N, N] / [B, N, N] (True = visible; SDPA path) or a flex `BlockMask`.
+
+        Returns:
+            [B, N, H] hidden states BEFORE the final norm (`compute_logits` applies norm + lm_head).
+        """
+        b, n = input_ids.shape
+        h = self.config.hidden_size
+        ids = torch.where(is_masked, self.config.mask_token_id, input_ids)
+        emb = self.embed_tokens(ids)  # [B, N, H]
+        # fc only over the real (unmasked) slots; every masked slot gets fc(mask_hidden), which stays in
+        # the graph even when there is no masked slot (zero gradient, never a missing one).
+        mask_proj = self.fc(self.mask_hidden).reshape(1, h)  # [1, H]
+        real = torch.nonzero(~is_masked.reshape(-1)).reshape(-1)  # [R]
+        feats = aux.reshape(b * n, -1).index_select(0, real).to(self.mask_hidden.dtype)  # [R, 3H]
+        proj = self.fc(feats)  # [R, H]
+        hid = mask_proj.to(proj.dtype).expand(b * n, h).index_copy(0, real, proj).view(b, n, h)  # [B, N, H]
+        cos, sin = self.rotary_emb(hid, position_ids)  # [B, N, hd] each
+        # leading real slots (the depth-0 block of a COD row) let `attend` split the dense attention
+        prefix = int((is_masked.long().cumsum(-1) == 0).sum(-1).min())
+        x = hid
+        for i, layer in enumerate(self.layers):
+            args = (emb, hid, cos, sin, attn_mask, prefix) if i == 0 else (x, cos, sin, attn_mask, prefix)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x = layer(*args)
+        return x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[*, H] pre-norm hidden -> [*, Vd] draft-vocab logits (`lm_head(norm(hidden))`)."""
+        return self.lm_head(self.norm(hidden))
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Map draft-vocab ids [*] to target ids [*] (`i + d2t[i]`; identity when Vd == V)."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def set_trainable(self, *, freeze_embeddings: bool = False, freeze_lm_head: bool = False) -> None:
+        """Freeze `embed_tokens` / `lm_head` as the spec says (`draft.freeze_*`); everything else trains."""
+        self.embed_tokens.weight.requires_grad_(not freeze_embeddings)
+        self.lm_head.weight.requires_grad_(not freeze_lm_head)
+
+
+def expected_state_keys(num_layers: int, *, compressed_vocab: bool) -> list[str]:
+    """The exported tensor names of a draft with `num_layers` layers (sorted), as vLLM loads them."""
+    keys = ["embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "mask_hidden"]
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        keys += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        keys += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if i == 0:
+            keys.append(p + "hidden_norm.weight")
+    if compressed_vocab:
+        keys += ["d2t", "t2d"]
+    return sorted(keys)
+
+
+@torch.no_grad()
+def init_from_target(draft: PEagleDraft, target_model: nn.Module, t2d: Tensor | None) -> None:
+    """Copy the target's token embeddings and the draft-vocab rows of its lm_head; set d2t / t2d.
+
+    Args:
+        draft: the draft to initialise (in place).
+        target_model: an HF causal LM (`get_input_embeddings`, `get_output_embeddings`).
+        t2d: bool [V], True at the Vd draft-vocab target ids (sorted ascending by construction);
+            None when Vd == V.
+    """
+    cfg = draft.config
+    emb = target_model.get_input_embeddings().weight  # [V, H]
+    head = target_model.get_output_embeddings().weight  # [V, H]
+    if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise TargetLoadError(
+            f"target embedding is {tuple(emb.shape)}, the draft expects ({cfg.vocab_size}, {cfg.hidden_size})"
+        )
+    draft.embed_tokens.weight.copy_(emb.to(draft.embed_tokens.weight.dtype))
+    if t2d is None:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise TargetLoadError("draft.draft_vocab_size < vocab size needs a t2d mapping")
+        draft.lm_head.weight.copy_(head.to(draft.lm_head.weight.dtype))
+        return
+    t2d = t2d.to(torch.bool).cpu()
+    ids = torch.nonzero(t2d).flatten()  # [Vd] target ids, ascending
+    if t2d.numel() != cfg.vocab_size or ids.numel() != cfg.draft_vocab_size:
+        raise TargetLoadError(
+            f"t2d must be bool [{cfg.vocab_size}] with {cfg.draft_vocab_size} True entries, "
+            f"got [{t2d.numel()}] with {ids.numel()}"
+        )
+    draft.lm_head.weight.copy_(head[ids.to(head.device)].to(draft.lm_head.weight.dtype))
+    if draft.t2d is not None and draft.d2t is not None:
+        draft.t2d.copy_(t2d)
+        draft.d2t.copy_(ids - torch.arange(ids.numel()))

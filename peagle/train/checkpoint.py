@@ -1,0 +1,251 @@
+"""Crash-safe checkpoints in RUN/checkpoints (layout: common contract, "Run directory").
+
+A checkpoint is written into a temporary directory (`.tmp-step_000100-<pid>`): `training_state.pt`
+(fp32 weights, optimizer, scheduler, RNG, step/epoch/data position), whatever `extra_writer(tmp, draft)`
+adds (the vLLM export: `config.json`, `model.safetensors`), `meta.json` (step, epoch, metrics, size +
+sha256 of every file) and finally `COMPLETE`, each fsync'ed; then the directory is atomically renamed
+to `step_000100` and `state.json` (`latest`, `best`, `best_metric`) is replaced atomically.
+
+Only directories with `COMPLETE` whose files match `meta.json` (size, and sha256 unless told not to)
+are ever resumed. Retention keeps the newest `keep_last` complete checkpoints plus the best one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.errors import CheckpointError
+
+__all__ = [
+    "CheckpointInfo",
+    "best_metric_value",
+    "find_resumable",
+    "load_training_state",
+    "read_state",
+    "save_checkpoint",
+    "step_dirname",
+    "verify_checkpoint",
+]
+
+STATE_FILE = "training_state.pt"
+COMPLETE = "COMPLETE"
+ExtraWriter = Callable[[Path, Any], None]
+
+
+def step_dirname(step: int) -> str:
+    """`step_000100` for step 100."""
+    return f"step_{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def best_metric_value(metrics: dict[str, float], select_best_by: str) -> tuple[str, float] | None:
+    """(name, value as "higher is better") of the metric that ranks checkpoints, or None if absent.
+
+    `tau_sim` prefers the held-out `eval_tau_sim`; `loss` prefers `eval_loss` (negated);
+    `acceptance_length` falls back to the tau_sim rule when AL was not measured at this checkpoint.
+    """
+    order = {
+        "acceptance_length": [("acceptance_length", 1.0), ("eval_tau_sim", 1.0), ("tau_sim", 1.0)],
+        "tau_sim": [("eval_tau_sim", 1.0), ("tau_sim", 1.0)],
+        "loss": [("eval_loss", -1.0), ("loss", -1.0)],
+    }[select_best_by]
+    for name, sign in order:
+        v = metrics.get(name)
+        if v is not None and v == v:  # not NaN
+            return name, sign * float(v)
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What `save_checkpoint` wrote: `dir` (relative to the run dir), files, metrics, whether it is best."""
+
+    step: int
+    dir: str
+    path: Path
+    files: list[dict[str, Any]]
+    metrics: dict[str, float]
+    is_best: bool
+
+
+def read_state(ckpt_root: Path) -> dict[str, Any]:
+    """RUN/checkpoints/state.json (empty dict when absent)."""
+    p = Path(ckpt_root) / "state.json"
+    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    *,
+    step: int,
+    epoch: float,
+    training_state: dict[str, Any],
+    metrics: dict[str, float],
+    draft: Any = None,
+    extra_writer: ExtraWriter | None = None,
+    keep_last: int = 2,
+    select_best_by: str = "tau_sim",
+) -> CheckpointInfo:
+    """Write one complete checkpoint of `step` crash-safely, update state.json, prune old ones.
+
+    Args:
+        ckpt_root: RUN/checkpoints.
+        step, epoch: position of the run (also inside `training_state`).
+        training_state: what `torch.save` writes to training_state.pt (weights, optimizer, ...).
+        metrics: floats stored in meta.json and used to rank checkpoints.
+        draft: handed to `extra_writer`.
+        extra_writer: `extra_writer(tmp_dir, draft)` writes the vLLM export into the checkpoint
+            before it is marked complete.
+        keep_last: newest complete checkpoints kept (the best one is kept in addition).
+        select_best_by: `tau_sim`, `acceptance_length` or `loss` (see `best_metric_value`).
+    """
+    root = Path(ckpt_root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dirname(step)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(training_state, tmp / STATE_FILE)
+    if extra_writer is not None:
+        extra_writer(tmp, draft)
+    files = []
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync_file(f)
+        files.append({"path": f.relative_to(tmp).as_posix(), "size": f.stat().st_size, "sha256": _sha256(f)})
+    meta = {"step": step, "epoch": epoch, "metrics": metrics, "files": files}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+    _fsync_file(tmp / "meta.json")
+    (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
+    _fsync_file(tmp / COMPLETE)
+    _fsync_dir(tmp)
+    final = root / name
+    if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
+        trash = root / f".trash-{name}-{os.getpid()}"
+        final.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    tmp.rename(final)
+    _fsync_dir(root)
+
+    state = read_state(root)
+    ranked = best_metric_value(metrics, select_best_by)
+    best = state.get("best")
+    is_best = False
+    if best is None or not (root / best / COMPLETE).exists():
+        is_best = True
+    elif ranked is not None:
+        prev = state.get("best_rank")
+        is_best = prev is None or ranked[1] > prev
+    if is_best:
+        best = name
+        state["best_rank"] = ranked[1] if ranked else None
+        state["best_metric"] = {ranked[0]: metrics[ranked[0]]} if ranked else None
+    state.update({"latest": name, "best": best, "select_best_by": select_best_by})
+    _write_json_atomic(root / "state.json", state)
+    _prune(root, keep_last=keep_last, keep={name, str(best)})
+    return CheckpointInfo(step=step, dir=f"{root.name}/{name}", path=final, files=files, metrics=metrics,
+                          is_best=is_best)
+
+
+def _complete_dirs(root: Path) -> list[Path]:
+    """Complete step_* directories, oldest first."""
+    dirs = [p for p in root.glob("step_*") if p.is_dir() and (p / COMPLETE).exists()]
+    return sorted(dirs, key=lambda p: p.name)
+
+
+def _prune(root: Path, *, keep_last: int, keep: set[str]) -> None:
+    complete = _complete_dirs(root)
+    keep = keep | {p.name for p in complete[-keep_last:]}
+    for p in root.iterdir():
+        stale_tmp = p.name.startswith((".tmp-", ".trash-")) and p.is_dir()
+        old = p.name.startswith("step_") and p.is_dir() and p.name not in keep
+        if stale_tmp or old:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path, *, check_hash: bool = True) -> list[str]:
+    """Problems of a checkpoint directory (empty list = complete and intact)."""
+    path = Path(path)
+    if not (path / COMPLETE).exists():
+        return [f"{path.name}: no {COMPLETE} marker (interrupted while saving)"]
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"{path.name}/meta.json unreadable: {exc}"]
+    problems = []
+    names = {f["path"] for f in meta.get("files", [])}
+    if STATE_FILE not in names:
+        problems.append(f"{path.name}: {STATE_FILE} not listed in meta.json")
+    for f in meta.get("files", []):
+        p = path / f["path"]
+        if not p.is_file():
+            problems.append(f"{path.name}/{f['path']} missing")
+        elif p.stat().st_size != f["size"]:
+            problems.append(f"{path.name}/{f['path']} has {p.stat().st_size} bytes, meta.json says {f['size']}")
+        elif check_hash and _sha256(p) != f["sha256"]:
+            problems.append(f"{path.name}/{f['path']} sha256 mismatch")
+    return problems
+
+
+def find_resumable(ckpt_root: Path, *, check_hash: bool = True, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact complete checkpoint under RUN/checkpoints, or None. Broken ones are skipped."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return None
+    for p in reversed(_complete_dirs(root)):
+        problems = verify_checkpoint(p, check_hash=check_hash)
+        if not problems:
+            return p
+        if warn is not None:
+            warn("skipping checkpoint: " + "; ".join(problems))
+    return None
+
+
+def load_training_state(path: Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load training_state.pt of a verified checkpoint directory."""
+    problems = verify_checkpoint(path, check_hash=False)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    try:
+        return torch.load(Path(path) / STATE_FILE, map_location=map_location, weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"{path}/{STATE_FILE} could not be loaded: {exc}") from exc

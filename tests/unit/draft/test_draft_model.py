@@ -1,0 +1,121 @@
+"""The draft network: exported names, initialisation, masked slots, RoPE positions, SDPA == flex."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peagle.cod import sample_cod
+from peagle.draft import DraftConfig, PEagleDraft, expected_state_keys, init_from_target, select_attention
+from peagle.fixtures import build_tiny_llama
+from peagle.flat import block_mask_for, build_flat_row, mask_for
+
+V, VD, H = 256, 64, 32
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return build_tiny_llama(vocab_size=V, hidden_size=H, num_heads=4, num_kv_heads=2, num_layers=2, seed=1)
+
+
+def _draft(target: torch.nn.Module, layers: int = 3, vd: int = VD) -> tuple[PEagleDraft, torch.Tensor | None]:
+    cfg = DraftConfig.from_target(target.config, num_layers=layers, draft_vocab_size=vd, mask_token_id=7,
+                                  aux_layer_ids=[0, 1, 1])
+    torch.manual_seed(0)
+    draft = PEagleDraft(cfg)
+    t2d = None
+    if vd < V:
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.randperm(V)[:vd]] = True
+    init_from_target(draft, target, t2d)
+    return draft, t2d
+
+
+def test_parameter_names_are_the_exported_keys(target: torch.nn.Module) -> None:
+    draft, _ = _draft(target)
+    assert sorted(draft.state_dict()) == expected_state_keys(3, compressed_vocab=True)
+    assert "layers.0.hidden_norm.weight" in expected_state_keys(3, compressed_vocab=True)
+    assert "layers.1.hidden_norm.weight" not in draft.state_dict()
+    full, _ = _draft(target, layers=1, vd=V)
+    assert sorted(full.state_dict()) == expected_state_keys(1, compressed_vocab=False)
+    sd = draft.state_dict()
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (32, 2 * H)
+    assert sd["layers.0.self_attn.k_proj.weight"].shape == (16, 2 * H)
+    assert sd["layers.1.self_attn.q_proj.weight"].shape == (32, H)
+    assert sd["fc.weight"].shape == (H, 3 * H) and sd["mask_hidden"].shape == (1, 1, 3 * H)
+    assert sd["lm_head.weight"].shape == (VD, H) and sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    assert 0.5 < float(sd["mask_hidden"].std()) < 1.5  # N(0, 1), not 0.02
+
+
+def test_unloaded_weights_are_nan_and_init_copies_target_rows(target: torch.nn.Module) -> None:
+    cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=VD, mask_token_id=7,
+                                  aux_layer_ids=[0, 1, 1])
+    fresh = PEagleDraft(cfg)
+    assert torch.isnan(fresh.embed_tokens.weight).all() and torch.isnan(fresh.lm_head.weight).all()
+    draft, t2d = _draft(target)
+    ids = torch.nonzero(t2d).flatten()
+    assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(draft.lm_head.weight, target.get_output_embeddings().weight[ids])
+    assert torch.equal(draft.draft_to_target(torch.arange(VD)), ids)
+
+
+def _flat(seed: int = 0, t: int = 24) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (t,), generator=g)
+    lm = (torch.rand(t, generator=g) < 0.8).long()
+    doc = torch.zeros(t, dtype=torch.long)
+    doc[t // 2 :] = 1
+    doc[-2:] = -1
+    anchor, depth = sample_cod(lm, 4, 0.8, 0.3, document_ids=doc, generator=g)
+    row = build_flat_row(ids, lm, doc, anchor, depth, 7)
+    aux = torch.randn(t, 3 * H, generator=g)[row.ref_pos]
+    return row, aux
+
+
+def test_masked_slots_ignore_token_and_aux(target: torch.nn.Module) -> None:
+    draft, _ = _draft(target)
+    row, aux = _flat()
+    mask = mask_for(row)
+    args = (row.is_masked[None], row.ref_pos[None], mask)
+    h1 = draft(row.input_ids[None], aux[None], *args)
+    noisy_ids = torch.where(row.is_masked, 11, row.input_ids)
+    noisy_aux = torch.where(row.is_masked[:, None], torch.randn_like(aux), aux)
+    h2 = draft(noisy_ids[None], noisy_aux[None], *args)
+    assert torch.isfinite(h1).all() and h1.shape == (1, row.num_elements, H)
+    torch.testing.assert_close(h1, h2, rtol=0, atol=0)
+    # RoPE follows the given positions: shifting all positions by a constant changes nothing (relative),
+    # scrambling them does.
+    h3 = draft(row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos[None] + 5, mask)
+    torch.testing.assert_close(h1, h3, rtol=1e-4, atol=1e-5)
+    h4 = draft(row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos.flip(0)[None], mask)
+    assert not torch.allclose(h1, h4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sdpa_and_flex_paths_agree(target: torch.nn.Module) -> None:
+    draft, _ = _draft(target)
+    row, aux = _flat(seed=3)
+    real = row.doc >= 0  # padding rows differ by design (self-key vs empty) and carry no weight
+    with torch.no_grad():
+        dense = draft(row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos[None], mask_for(row))
+        flex = draft(row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos[None], block_mask_for(row))
+    torch.testing.assert_close(dense[0, real], flex[0, real], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_selection() -> None:
+    assert select_attention("cpu") == "sdpa" and select_attention("cuda") == "flex"
+    assert select_attention("cuda", "sdpa") == "sdpa"
+    with pytest.raises(ValueError, match=r"resources\.attention"):
+        select_attention("cpu", "xformers")
+
+
+def test_config_round_trip_and_validation(target: torch.nn.Module) -> None:
+    cfg = DraftConfig.from_target(target.config, num_layers=2, draft_vocab_size=None, mask_token_id=5,
+                                  aux_layer_ids=[0, 1, 1])
+    assert cfg.draft_vocab_size == V and DraftConfig(**cfg.to_dict()) == cfg
+    assert cfg.llama_config().num_hidden_layers == 2 and cfg.head_dim == 8
+    assert math.isclose(cfg.rope_parameters["rope_theta"], 100000.0)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DraftConfig(**{**cfg.to_dict(), "mask_token_id": V})

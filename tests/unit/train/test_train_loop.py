@@ -1,0 +1,122 @@
+"""The training loop: learning, exact resume (in-process and after SIGTERM/SIGKILL), progress records."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from train_helpers import tiny_draft, tiny_source, tiny_spec
+
+from peagle.train.checkpoint import read_state
+from peagle.train.loop import Trainer
+from peagle.train.progress import RecordingSink
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "run_tiny_training.py"
+
+
+def test_loss_falls_on_a_fixed_tiny_batch() -> None:
+    # K=1: depth 0 only, so the batch is exactly the same every step (deeper COD draws change per epoch).
+    spec = tiny_spec(
+        optim={"lr": 1e-2, "epochs": 40, "schedule": "constant", "warmup_ratio": 0.0},
+        peagle={"num_depths": 1},
+    )
+    result = Trainer(spec, tiny_draft(), tiny_source(num_batches=1, learnable=True)).train()
+    assert len(result.losses) == 40
+    assert result.losses[-1] < 0.75 * result.losses[0]
+
+
+def test_resume_in_process_continues_exactly(tmp_path: Path) -> None:
+    spec = tiny_spec(optim={"epochs": 2, "grad_accumulation": 1})  # 8 steps, checkpoints every 2
+    ref_trainer = Trainer(spec, tiny_draft(), tiny_source())
+    ref = ref_trainer.train()
+
+    sink = RecordingSink()
+    Trainer(spec, tiny_draft(), tiny_source(), run_dir=tmp_path, sink=sink).train()
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) in (["step_000006", "step_000008"],
+                                                           ["step_000004", "step_000006", "step_000008"])
+    shutil.rmtree(ckpts / "step_000008")  # as if the run had died after step 6
+    resumed_sink = RecordingSink()
+    resumed = Trainer(spec, tiny_draft(seed=5), tiny_source(), run_dir=tmp_path, sink=resumed_sink)
+    out = resumed.train()
+    assert out.losses == ref.losses[6:]
+    assert any(r.get("kind") == "resumed" and r["step"] == 6 for r in resumed_sink.records)
+    # final weights identical to the uninterrupted run
+    for name, value in ref_trainer.draft.state_dict().items():
+        assert torch.equal(value, resumed.draft.state_dict()[name]), name
+
+    # progress records: metric keys and checkpoint events with real sha256
+    metrics = [r for r in sink.records if r["type"] == "metric"]
+    keys = set(metrics[0]["values"])
+    expected = {"loss", "acc_0", "acc_3", "full_acc", "tau_sim", "lr", "grad_norm", "tokens_per_s",
+                "time_fetch", "time_forward", "time_backward", "time_optimizer"}
+    assert expected <= keys
+    events = [r for r in sink.records if r.get("kind") == "checkpoint"]
+    last = events[-1]
+    assert last["dir"] == "checkpoints/step_000008" and last["step"] == 8
+    phases = [r["phase"] for r in sink.records if r.get("kind") == "phase"]
+    assert phases == ["training"]
+    state = read_state(ckpts)
+    assert state["latest"] == "step_000008"
+
+
+def _wait_for_step(progress: Path, step: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
+        if progress.exists():
+            for line in progress.read_text().splitlines():
+                rec = json.loads(line)
+                if rec["type"] == "metric" and rec["step"] >= step:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _spawn(run: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(run), *extra], env=env)
+
+
+def test_resume_after_sigterm_and_sigkill_gives_the_uninterrupted_weights(tmp_path: Path) -> None:
+    # Reference: the same run, uninterrupted, in this process.
+    spec = tiny_spec(optim={"max_steps": 10, "epochs": 10, "grad_accumulation": 2},
+                     peagle={"sequence_partitions": 2})
+    reference = Trainer(spec, tiny_draft(), tiny_source(num_batches=3))
+    ref = reference.train()
+
+    run = tmp_path / "run"
+    proc = _spawn(run, "--slow", "0.15", "--steps", "10")
+    _wait_for_step(run / "progress.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 75
+    assert proc.wait(timeout=60) == 75
+    state = read_state(run / "checkpoints")
+    stopped_at = int(state["latest"].split("_")[1])
+    assert 2 <= stopped_at < 7
+
+    proc = _spawn(run, "--slow", "0.15", "--steps", "10")
+    _wait_for_step(run / "progress.jsonl", stopped_at + 2, proc)
+    proc.kill()  # SIGKILL: no chance to save; possibly mid-checkpoint
+    proc.wait(timeout=30)
+
+    out = tmp_path / "final.pt"
+    proc = _spawn(run, "--out", str(out), "--steps", "10")
+    assert proc.wait(timeout=90) == 0
+    final = torch.load(out, weights_only=True)
+    for name, value in reference.draft.state_dict().items():
+        assert torch.equal(value, final["weights"][name]), name
+    assert final["losses"] == ref.losses[-len(final["losses"]):]
+
+    meta = json.loads((run / "checkpoints" / "step_000010" / "meta.json").read_text())
+    for f in meta["files"]:
+        data = (run / "checkpoints" / "step_000010" / f["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f["sha256"]

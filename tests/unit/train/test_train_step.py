@@ -1,0 +1,109 @@
+"""The partitioned step: exactness (S=4 == S=1), checkpointing parity, mask_hidden grads, refusals."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from train_helpers import tiny_draft, tiny_source
+
+import peagle.train.step as step_mod
+from peagle.draft import PEagleDraft
+from peagle.errors import ResourceError
+from peagle.flat import loss_denominator
+from peagle.mask import check_dense_fits
+from peagle.train.step import DraftObjective, StepSettings, plan_rows, run_micro_batch
+
+
+def _settings(num_segments: int, num_depths: int = 4) -> StepSettings:
+    return StepSettings(
+        num_depths=num_depths, down_sample_ratio=0.8, down_sample_ratio_min=0.3, max_anchors=None,
+        sequence_partitions=num_segments, mask_token_id=3, attention="sdpa", autocast_dtype=None, seed=7,
+    )
+
+
+def _loss_and_grads(draft: PEagleDraft, settings: StepSettings, batch: dict) -> tuple[float, dict, torch.Tensor]:
+    draft.zero_grad(set_to_none=True)
+    objective = DraftObjective(draft, settings.num_depths, None)
+    rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+    den = loss_denominator(rows)
+    m = run_micro_batch(objective, draft, batch, rows, settings, scale=1.0 / den)
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    return float(m.loss_sum / den), grads, m.acc_total
+
+
+def test_partitioned_step_equals_flat_forward() -> None:
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+    loss1, g1, tot1 = _loss_and_grads(draft, _settings(1), batch)
+    loss4, g4, tot4 = _loss_and_grads(draft, _settings(4), batch)
+    assert torch.equal(tot1, tot4)  # every supervised element charged exactly once
+    assert loss4 == pytest.approx(loss1, rel=1e-5)
+    assert set(g1) == set(g4) and len(g1) == len(list(draft.parameters()))
+    for name in g1:
+        assert torch.isfinite(g1[name]).all(), name
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_gradient_checkpointing_is_identical() -> None:
+    draft = tiny_draft()
+    batch = tiny_source().batch(0, 1)
+    loss_off, g_off, _ = _loss_and_grads(draft, _settings(2), batch)
+    calls = []
+    hook = draft.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    draft.gradient_checkpointing = True
+    draft.train()
+    loss_on, g_on, _ = _loss_and_grads(draft, _settings(2), batch)
+    hook.remove()
+    assert loss_on == loss_off
+    for name in g_off:
+        torch.testing.assert_close(g_on[name], g_off[name], rtol=0, atol=0, msg=name)
+    units = len(calls)
+    calls.clear()
+    hook = draft.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    draft.gradient_checkpointing = False
+    _loss_and_grads(draft, _settings(2), batch)
+    hook.remove()
+    assert units == 2 * len(calls)  # recomputed in backward
+
+
+def test_mask_hidden_gets_finite_nonzero_grad_when_k_ge_2() -> None:
+    draft = tiny_draft()
+    batch = tiny_source().batch(0, 0)
+    _, grads, _ = _loss_and_grads(draft, _settings(1, num_depths=2), batch)
+    g = grads["mask_hidden"]
+    assert g.shape == (1, 1, 96) and torch.isfinite(g).all() and g.abs().sum() > 0
+    _, grads1, _ = _loss_and_grads(draft, _settings(1, num_depths=1), batch)
+    assert torch.count_nonzero(grads1["mask_hidden"]) == 0  # in the graph, but no masked slot
+
+
+def test_zero_backward_when_nothing_is_supervised() -> None:
+    draft = tiny_draft()
+    batch = tiny_source().batch(0, 0)
+    batch["loss_mask"].zero_()
+    settings = _settings(2)
+    rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+    m = run_micro_batch(DraftObjective(draft, 4, None), draft, batch, rows, settings, scale=1.0)
+    assert float(m.acc_total.sum()) == 0
+    for name, p in draft.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
+
+
+def test_rows_too_large_for_the_dense_mask_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_mod, "check_dense_fits", functools.partial(check_dense_fits, limit=40))
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+    settings = _settings(1)
+    rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+    with pytest.raises(ResourceError, match="sequence_partitions"):
+        run_micro_batch(DraftObjective(draft, 4, None), draft, batch, rows, settings, scale=1.0)
+
+
+def test_cod_draw_is_keyed_by_position() -> None:
+    batch = tiny_source().batch(0, 0)
+    a = plan_rows(batch, _settings(1), epoch=0, index=0, row_ids=[0, 1])
+    b = plan_rows(batch, _settings(1), epoch=0, index=0, row_ids=[0, 1])
+    c = plan_rows(batch, _settings(1), epoch=1, index=0, row_ids=[0, 1])
+    assert all(torch.equal(x.anchor_pos, y.anchor_pos) for x, y in zip(a, b, strict=True))
+    assert any(not torch.equal(x.anchor_pos, y.anchor_pos) for x, y in zip(a, c, strict=True))
