@@ -20,11 +20,39 @@ LOSS_EPS = 1e-5
 """Lower clamp of the count denominator (an all-unsupervised micro-batch gives loss 0, not NaN)."""
 
 
+class _FusedKL(torch.autograd.Function):
+    """KL(p || q) per row with a one-tensor backward: d KL / d draft_logits = softmax(draft) - p.
+
+    Autograd's own graph for `p * (log p - log_softmax(d))` keeps several `[*, Vd]` fp32 tensors alive
+    for backward; this keeps exactly one (`q - p`) and skips the generic softmax backward.
+    The target is treated as a constant (it never requires grad in training).
+    """
+
+    @staticmethod
+    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype) -> Tensor:  # type: ignore[override]
+        log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
+        log_p = F.log_softmax(target_logits.to(dtype), dim=-1)  # [*, Vd]
+        p = log_p.exp()  # [*, Vd]
+        terms = p * (log_p - log_q)  # [*, Vd]
+        kl = torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
+        del terms, log_p
+        grad = log_q.exp_().sub_(p)  # [*, Vd]: q - p, in place over log_q
+        ctx.save_for_backward(grad)
+        ctx.in_dtype = draft_logits.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_out.unsqueeze(-1)).to(ctx.in_dtype), None, None
+
+
 def kl_per_position(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
     """KL(target || draft) over the last axis, in fp32 (fp64 inputs stay fp64).
 
     `sum_v p_v (log p_v - log q_v)` with `p = softmax(target)`, `log q = log_softmax(draft)`;
-    terms with p_v = 0 contribute 0.
+    terms with p_v = 0 contribute 0. When only the draft logits require grad (training), a fused
+    autograd function is used whose backward is `(softmax(draft) - p) * grad` (same values, less memory).
 
     Args:
         draft_logits: `[*, Vd]` draft logits (any float dtype).
@@ -34,6 +62,8 @@ def kl_per_position(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
         `[*]` fp32 (fp64 for fp64 inputs), >= 0, exactly 0 where the logits are equal.
     """
     dtype = torch.promote_types(torch.promote_types(draft_logits.dtype, target_logits.dtype), torch.float32)
+    if draft_logits.requires_grad and not target_logits.requires_grad and torch.is_grad_enabled():
+        return _FusedKL.apply(draft_logits, target_logits, dtype)
     log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
     log_p = F.log_softmax(target_logits.to(dtype), dim=-1)  # [*, Vd]
     p = log_p.exp()  # [*, Vd]
