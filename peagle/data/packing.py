@@ -1,0 +1,137 @@
+"""Packing conversations into fixed-length rows, and the shift of decision 1.
+
+Packing is best-fit decreasing over the conversations in a seeded random order (ties in length keep that
+order), so it is deterministic given the seed. A row holds whole conversations back to back; `document_ids`
+numbers them 0..n-1 within the row and is -1 on padding (token 0, mask 0).
+
+Shift (decision 1, speculators/NeMo): slot i holds token x[i+1], aux g[i], target z[i+1], mask m[i+1];
+the row keeps its length T and the tail slot is zero-filled (token 0, target 0, mask 0). `document_ids`
+stays unshifted (the document of g[i]); mask and target are also 0 at the last slot of every document,
+whose "next token" is the first token of the next document (or padding); padding slots have aux 0. Worked example, two documents::
+
+    x   = [a0 a1 a2 b0 b1  0]     m  = [0 1 1 0 1 0]    doc  = [0 0 0 1 1 -1]
+    x'  = [a1 a2 b0 b1  0  0]     m' = [1 1 0 1 0 0]    doc' = [0 0 0 1 1 -1]
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedRows", "pack_documents", "shift_features", "shift_rows"]
+
+
+@dataclass
+class PackedRows:
+    """Packed, UNSHIFTED rows: ``input_ids``, ``loss_mask``, ``document_ids``, each [R, P] int64."""
+
+    input_ids: Tensor  # [R, P]
+    loss_mask: Tensor  # [R, P] 0/1
+    document_ids: Tensor  # [R, P] -1 = padding
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def num_documents(self) -> int:
+        return int((self.document_ids.max(dim=1).values + 1).sum()) if len(self) else 0
+
+    def num_tokens(self) -> int:
+        return int((self.document_ids >= 0).sum())
+
+    def select(self, index: Sequence[int] | Tensor) -> PackedRows:
+        """Rows at `index` (a new PackedRows)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return PackedRows(self.input_ids[idx], self.loss_mask[idx], self.document_ids[idx])
+
+    def to_dict(self) -> dict[str, Tensor]:
+        return {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "document_ids": self.document_ids}
+
+    @classmethod
+    def empty(cls, pack_length: int) -> PackedRows:
+        z = torch.zeros(0, pack_length, dtype=torch.long)
+        return cls(z, z.clone(), z.clone())
+
+
+def pack_documents(
+    docs: Sequence[tuple[Sequence[int], Sequence[int]]], pack_length: int, seed: int
+) -> PackedRows:
+    """Pack (input_ids, loss_mask) documents into rows of `pack_length` tokens.
+
+    Documents longer than `pack_length` are truncated. Deterministic given (docs, pack_length, seed).
+
+    Returns:
+        `PackedRows` with [R, pack_length] tensors.
+    """
+    if not docs:
+        return PackedRows.empty(pack_length)
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    lengths = [min(len(docs[i][0]), pack_length) for i in order]
+    ranked = sorted(range(len(order)), key=lambda k: -lengths[k])  # stable: ties keep the shuffled order
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (remaining capacity, bin id)
+    for k in ranked:
+        n = lengths[k]
+        j = bisect.bisect_left(free, (n, -1))
+        if j == len(free):
+            bins.append([order[k]])
+            bisect.insort(free, (pack_length - n, len(bins) - 1))
+        else:
+            cap, b = free.pop(j)
+            bins[b].append(order[k])
+            bisect.insort(free, (cap - n, b))
+    ids = torch.zeros(len(bins), pack_length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    doc = torch.full_like(ids, -1)
+    for r, members in enumerate(bins):
+        pos = 0
+        for d, i in enumerate(members):
+            x, m = docs[i]
+            n = min(len(x), pack_length)
+            ids[r, pos : pos + n] = torch.as_tensor(list(x[:n]), dtype=torch.long)
+            mask[r, pos : pos + n] = torch.as_tensor(list(m[:n]), dtype=torch.long)
+            doc[r, pos : pos + n] = d
+            pos += n
+    return PackedRows(ids, mask, doc)
+
+
+def _shift_left(x: Tensor) -> Tensor:
+    out = torch.zeros_like(x)
+    out[:, :-1] = x[:, 1:]
+    return out
+
+
+def shift_rows(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Decision-1 shift of the token-level tensors ([B, T] each); see the module docstring."""
+    ids = _shift_left(input_ids)  # [B, T]
+    nxt_doc = torch.full_like(document_ids, -1)
+    nxt_doc[:, :-1] = document_ids[:, 1:]
+    same = (nxt_doc == document_ids) & (document_ids >= 0)
+    mask = _shift_left(loss_mask) * same.to(loss_mask.dtype)  # [B, T]
+    return ids, mask, document_ids.clone()
+
+
+def shift_features(
+    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, aux: Tensor, logits: Tensor
+) -> dict[str, Tensor]:
+    """Decision-1 shift of a captured batch into the trainer's keys.
+
+    Args:
+        input_ids, loss_mask, document_ids: [B, T] unshifted.
+        aux: [B, T, 3H] target aux states g (not shifted).
+        logits: [B, T, Vd] target logits z (shifted: slot i gets z[i+1], tail 0).
+    """
+    ids, mask, doc = shift_rows(input_ids, loss_mask, document_ids)
+    target = torch.zeros_like(logits)
+    target[:, :-1] = logits[:, 1:]  # [B, T, Vd]
+    nxt_doc = torch.full_like(doc, -1)
+    nxt_doc[:, :-1] = doc[:, 1:]
+    # padding slots carry no features; a slot whose next token is in another document has no target
+    aux = aux.masked_fill((doc < 0).unsqueeze(-1), 0.0)
+    target = target.masked_fill((nxt_doc != doc).unsqueeze(-1) | (doc < 0).unsqueeze(-1), 0.0)
+    return {"input_ids": ids, "loss_mask": mask, "document_ids": doc, "aux": aux, "target_logits": target}

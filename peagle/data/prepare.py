@@ -1,0 +1,263 @@
+"""One entry for the pipeline: spec -> packed train/eval rows, draft vocab, mask token, report.
+
+Steps: stream every source (`peagle.data.formats`), hold out `data.eval_samples` conversations (seeded),
+optionally regenerate assistant turns with the target, template + mask on all cores
+(`peagle.data.template`), drop rows with fewer than `data.min_assistant_tokens` supervised tokens
+(reported), count assistant tokens of the TRAIN rows for the draft vocab (decision 7), choose the mask
+token (decision 8, proven unused in train+eval rows), pack (seeded). Results go to ``RUN/data/``
+(``prepared.pt``, ``vocab.safetensors``, ``report.json``) keyed by the spec hash of the sections that
+produce them, so a resumed run reloads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.data.formats import IngestReport, Row, iter_rows
+from peagle.data.packing import PackedRows, pack_documents
+from peagle.data.template import tokenize_many
+from peagle.data.vocab import (
+    DraftVocab,
+    build_draft_vocab,
+    count_assistant_tokens,
+    load_vocab,
+    resolve_mask_token_id,
+    save_vocab,
+)
+from peagle.errors import DataInvalidError
+from peagle.fixtures import resolve_data_path
+from peagle.spec import TrainSpec
+
+__all__ = ["PreparedData", "data_cache_key", "prepare_data"]
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class PreparedData:
+    """What `prepare_data` returns (see /work/brief/data_api.md)."""
+
+    train: PackedRows
+    eval: PackedRows
+    vocab: DraftVocab
+    mask_token_id: int
+    report: dict[str, Any]
+    data_dir: Path
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab.draft_vocab_size
+
+
+def data_cache_key(spec: TrainSpec) -> str:
+    """Hash of everything that determines the prepared data."""
+    blob = {
+        "v": CACHE_VERSION,
+        "target": spec.target.model_dump(mode="json"),
+        "data": spec.data.model_dump(mode="json"),
+        "vocab": [spec.draft.draft_vocab_size, spec.draft.mask_token_id],
+        "pack": [spec.optim.pack_length, spec.optim.seed],
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+
+def _emit(sink: Any, kind: str, **fields: Any) -> None:
+    if sink is not None:
+        sink.event(kind, **fields)
+
+
+def _log(sink: Any, msg: str) -> None:
+    if sink is not None:
+        sink.log("info", msg)
+
+
+def _read_sources(spec: TrainSpec, dataset_root: Path | None) -> tuple[list[Row], list[dict[str, Any]]]:
+    rows: list[Row] = []
+    reports = []
+    for k, src in enumerate(spec.data.sources):
+        try:
+            path = resolve_data_path(src.path, dataset_root)
+        except (ValueError, FileNotFoundError) as exc:
+            raise DataInvalidError(f"data.sources.{k}.path: {exc}") from None
+        rep = IngestReport()
+        caps = [src.max_samples]
+        if spec.data.max_samples is not None:
+            caps.append(spec.data.max_samples - len(rows))
+        cap = min((c for c in caps if c is not None), default=None)
+        if cap is not None and cap <= 0:
+            break
+        for row in iter_rows(path, src.format, rep, skip=src.skip, max_samples=cap):
+            row.source = k
+            rows.append(row)
+        reports.append({"source": k, **rep.to_dict()})
+    return rows, reports
+
+
+def prepare_data(
+    spec: TrainSpec,
+    tokenizer: Any,
+    run_dir: str | Path,
+    *,
+    target_vocab_size: int,
+    dataset_root: Path | None = None,
+    sink: Any = None,
+    model: Any = None,
+    workers: int | None = None,
+) -> PreparedData:
+    """Prepare the training data of `spec` into ``run_dir/data`` (cached by spec hash).
+
+    Args:
+        spec: the resolved job spec (data, draft vocab/mask token, optim.pack_length/seed).
+        tokenizer: the target's HF tokenizer (its chat template is used).
+        run_dir: RUN directory; outputs go to ``RUN/data``.
+        target_vocab_size: V = rows of the target embedding (may exceed len(tokenizer)).
+        dataset_root: where ``dataset:<id>`` sources live.
+        sink: optional ProgressSink (phase events ``preparing_data``, ``building_vocab`` and logs).
+        model: the target, needed only when ``data.regenerate.enabled``.
+        workers: processes for templating (default: all cores).
+
+    Raises:
+        DataInvalidError: unreadable source, no usable conversation, mask token in the data.
+    """
+    data_dir = Path(run_dir) / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key = data_cache_key(spec)
+    cached = data_dir / "prepared.pt"
+    if cached.exists() and (data_dir / "vocab.safetensors").exists():
+        blob = torch.load(cached, weights_only=True)
+        if blob.get("key") == key:
+            _log(sink, "prepared data reloaded from RUN/data (same spec hash)")
+            return PreparedData(
+                PackedRows(*blob["train"]),
+                PackedRows(*blob["eval"]),
+                load_vocab(data_dir / "vocab.safetensors"),
+                int(blob["mask_token_id"]),
+                json.loads((data_dir / "report.json").read_text()),
+                data_dir,
+            )
+    d = spec.data
+    _emit(sink, "phase", phase="preparing_data", message="reading, templating and packing the data")
+    rows, src_reports = _read_sources(spec, dataset_root)
+    if not rows:
+        raise DataInvalidError("no usable conversation in data.sources: " + json.dumps(src_reports)[:2000])
+    chat = [i for i, r in enumerate(rows) if r.messages is not None]
+    convs = [rows[i].messages for i in chat]
+    if d.regenerate.enabled and chat:
+        if model is None:
+            raise DataInvalidError("data.regenerate.enabled needs the target model (pass model=)")
+        from peagle.data.regenerate import regenerate_conversations
+
+        cache = data_dir / f"regen-{key[:16]}.jsonl"
+        _log(sink, f"regenerating {len(convs)} conversations with the target")
+        convs = regenerate_conversations(
+            model,
+            tokenizer,
+            convs,
+            d.regenerate,
+            cache,
+            max_length=d.max_length,
+            seed=spec.optim.seed,
+            sink=sink,
+        )
+    encoded = tokenize_many(tokenizer, convs, max_length=d.max_length, think=d.think, workers=workers)
+    docs: dict[int, tuple[list[int], list[int]]] = {}
+    for i, enc in zip(chat, encoded, strict=True):
+        docs[i] = (enc.input_ids, enc.loss_mask)
+    skipped: dict[str, int] = {}
+    bad_rows: list[dict[str, Any]] = []
+    truncated = sum(e.truncated for e in encoded)
+    for i, r in enumerate(rows):
+        if r.input_ids is not None:
+            truncated += len(r.input_ids) > d.max_length
+            docs[i] = (r.input_ids[: d.max_length], r.loss_mask[: d.max_length])
+    valid = []
+    for i in range(len(rows)):
+        ids, mask = docs[i]
+        reason = None
+        if sum(mask) < d.min_assistant_tokens:
+            reason = f"too_few_assistant_tokens (< {d.min_assistant_tokens} after templating/truncation)"
+        elif max(ids) >= target_vocab_size:
+            reason = f"token_out_of_range (id {max(ids)} >= {target_vocab_size})"
+        if reason:
+            short = reason.split(" ")[0]
+            skipped[short] = skipped.get(short, 0) + 1
+            if len(bad_rows) < 100:
+                bad_rows.append(
+                    {"source": rows[i].source, "line": rows[i].line, "index": rows[i].index, "reason": reason}
+                )
+            continue
+        valid.append(i)
+    held = list(valid)
+    random.Random(spec.optim.seed).shuffle(held)
+    n_eval = min(d.eval_samples, max(len(valid) - 1, 0))  # at least one conversation stays for training
+    eval_idx = set(held[:n_eval])
+    keep_train = [i for i in valid if i not in eval_idx]
+    keep_eval = [i for i in valid if i in eval_idx]
+    if not keep_train:
+        raise DataInvalidError(f"no training conversation left after templating: skipped {skipped}")
+
+    _emit(sink, "phase", phase="building_vocab", message="draft vocabulary and mask token")
+    as_t = {i: (torch.tensor(docs[i][0]), torch.tensor(docs[i][1])) for i in keep_train + keep_eval}
+    counts = count_assistant_tokens((as_t[i] for i in keep_train), target_vocab_size)
+    vocab = build_draft_vocab(counts, spec.draft.draft_vocab_size)
+    used = torch.zeros(target_vocab_size, dtype=torch.bool)
+    for ids, _m in as_t.values():
+        used[ids] = True
+    mask_id, how = resolve_mask_token_id(spec.draft.mask_token_id, tokenizer, target_vocab_size, used)
+    save_vocab(vocab, data_dir / "vocab.safetensors")
+
+    train = pack_documents([docs[i] for i in keep_train], spec.optim.pack_length, spec.optim.seed)
+    evalr = pack_documents([docs[i] for i in keep_eval], spec.optim.pack_length, spec.optim.seed)
+    sup = int(counts.sum())
+    report = {
+        "sources": src_reports,
+        "rows_read": sum(r["rows_read"] for r in src_reports),
+        "rows_kept": len(keep_train) + len(keep_eval),
+        "rows_skipped": sum(r["rows_skipped"] for r in src_reports) + sum(skipped.values()),
+        "skipped_by_reason": _merge([r["skipped_by_reason"] for r in src_reports] + [skipped]),
+        "bad_rows": [b for r in src_reports for b in r["bad_rows"]][:100] + bad_rows,
+        "train_conversations": len(keep_train),
+        "eval_conversations": len(keep_eval),
+        "truncated_conversations": int(truncated),
+        "train_rows": len(train),
+        "eval_rows": len(evalr),
+        "train_tokens": train.num_tokens(),
+        "train_assistant_tokens": sup,
+        "pack_fill": train.num_tokens() / max(train.input_ids.numel(), 1),
+        "draft_vocab_size": vocab.draft_vocab_size,
+        "draft_vocab_coverage": float(counts[vocab.selected].sum()) / max(sup, 1),
+        "mask_token_id": mask_id,
+        "mask_token_source": how,
+    }
+    (data_dir / "report.json").write_text(json.dumps(report, indent=1))
+    torch.save(
+        {
+            "key": key,
+            "train": [train.input_ids, train.loss_mask, train.document_ids],
+            "eval": [evalr.input_ids, evalr.loss_mask, evalr.document_ids],
+            "mask_token_id": mask_id,
+        },
+        data_dir / "prepared.pt.tmp",
+    )
+    (data_dir / "prepared.pt.tmp").replace(cached)
+    _log(
+        sink,
+        f"data: {len(keep_train)} train / {len(keep_eval)} eval conversations -> {len(train)} rows; "
+        f"Vd={vocab.draft_vocab_size}, mask token {mask_id} ({how})",
+    )
+    return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
+
+
+def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dct in dicts:
+        for k, v in dct.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
