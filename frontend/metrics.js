@@ -1,0 +1,62 @@
+// One-line definitions of every metric the dashboard shows (shown on hover and under chart titles).
+
+const FIXED = {
+  loss: "Training loss: forward KL(target || draft) over the draft vocabulary, averaged over supervised positions of all depths.",
+  eval_loss: "Held-out loss: the training loss computed on the eval rows (no gradient).",
+  full_acc: "Accuracy over all supervised positions of all depths (draft argmax == target argmax).",
+  tau_sim: "Simulated acceptance length: tau = sum over k of prod_{j<=k} acc_j (expected accepted draft tokens per step, training batch).",
+  eval_tau_sim: "Simulated acceptance length on held-out rows: sum_k prod_{j<=k} eval_acc_j.",
+  acceptance_length: "Measured acceptance length AL = 1 + accepted / drafts, decoding the eval prompts with this draft.",
+  lr: "Learning rate of the optimizer at this step (after warmup/schedule).",
+  grad_norm: "Global L2 norm of the gradients before clipping.",
+  tokens_per_s: "Training throughput: supervised tokens processed per second.",
+  time_fetch: "Seconds per step waiting for data (loading, packing, target features).",
+  time_forward: "Seconds per step in the forward passes (target capture + draft).",
+  time_backward: "Seconds per step in the backward passes.",
+  time_optimizer: "Seconds per step in the optimizer update (clip, AdamW, schedule).",
+  epoch: "Fraction of passes over the training rows completed.",
+};
+
+/** The one-line definition of a metric key (handles acc_{d}, eval_acc_{d}, al_pos_{k}). */
+export function define(key) {
+  if (FIXED[key]) return FIXED[key];
+  let m = /^acc_(\d+)$/.exec(key);
+  if (m) return `Depth-${m[1]} accuracy: fraction of positions where the draft's top token at depth ${m[1]} equals the target's (unconditional, training batch).`;
+  m = /^eval_acc_(\d+)$/.exec(key);
+  if (m) return `Held-out depth-${m[1]} accuracy (unconditional).`;
+  m = /^al_pos_(\d+)$/.exec(key);
+  if (m) return `Measured acceptance rate at draft position ${m[1]}: accepted at position ${m[1]} / drafts.`;
+  return key;
+}
+
+/** Short human label of a metric key. */
+export function label(key) {
+  const names = {
+    loss: "loss", eval_loss: "eval loss", tau_sim: "tau_sim", eval_tau_sim: "eval tau_sim",
+    acceptance_length: "measured AL", lr: "learning rate", tokens_per_s: "tokens/s", full_acc: "full acc",
+    time_fetch: "fetch", time_forward: "forward", time_backward: "backward", time_optimizer: "optimizer",
+    grad_norm: "grad norm",
+  };
+  if (names[key]) return names[key];
+  let m = /^acc_(\d+)$/.exec(key);
+  if (m) return `depth ${m[1]}`;
+  m = /^eval_acc_(\d+)$/.exec(key);
+  if (m) return `eval depth ${m[1]}`;
+  return key;
+}
+
+/**
+ * The charts of the job page: title, one-line definition, and which keys they draw.
+ * `keys` may be a function of all keys present (per-depth accuracy: one line per depth).
+ */
+export const CHARTS = [
+  { id: "loss", title: "Loss", def: FIXED.loss, keys: ["loss", "eval_loss"] },
+  {
+    id: "acc", title: "Per-depth accuracy", def: "Unconditional accuracy of each parallel depth (one line per depth).",
+    keys: (all) => all.filter((k) => /^acc_\d+$/.test(k)).sort((a, b) => +a.slice(4) - +b.slice(4)),
+  },
+  { id: "al", title: "tau_sim and measured AL", def: "Simulated (tau_sim) and measured (AL) acceptance length.", keys: ["tau_sim", "eval_tau_sim", "acceptance_length"] },
+  { id: "lr", title: "Learning rate", def: FIXED.lr, keys: ["lr"] },
+  { id: "tps", title: "Tokens/s", def: FIXED.tokens_per_s, keys: ["tokens_per_s"] },
+  { id: "time", title: "Step time breakdown", def: "Seconds per step spent in data fetch, forward, backward and optimizer.", keys: ["time_fetch", "time_forward", "time_backward", "time_optimizer"] },
+];
