@@ -217,6 +217,42 @@ def read_rows(
     return list(session.scalars(stmt.order_by(model.seq).limit(limit)))
 
 
+def metric_outline(
+    session: Session,
+    job_id: str,
+    key: str,
+    *,
+    after: int = 0,
+    limit: int = 10_000,
+    step_from: int | None = None,
+    step_to: int | None = None,
+) -> list[tuple[int, float | None]]:
+    """(seq, values[key]) of metric rows, ascending: a cheap first pass for downsampling.
+
+    Reads two columns (the JSON value is extracted by the database), not whole rows, so thinning
+    50,000 points does not deserialize 50,000 JSON documents.
+    """
+    stmt = sa.select(JobMetric.seq, JobMetric.values[key].as_float()).where(
+        JobMetric.job_id == job_id, JobMetric.seq > after
+    )
+    if step_from is not None:
+        stmt = stmt.where(JobMetric.step >= step_from)
+    if step_to is not None:
+        stmt = stmt.where(JobMetric.step <= step_to)
+    return [(int(s), v) for s, v in session.execute(stmt.order_by(JobMetric.seq).limit(limit))]
+
+
+def metrics_by_seq(session: Session, job_id: str, seqs: list[int]) -> list[JobMetric]:
+    """Metric rows with the given sequence numbers, ascending."""
+    out: list[JobMetric] = []
+    for i in range(0, len(seqs), 5000):
+        chunk = seqs[i : i + 5000]
+        out.extend(
+            session.scalars(sa.select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.seq.in_(chunk)))
+        )
+    return sorted(out, key=lambda r: r.seq)
+
+
 def tail_logs(session: Session, job_id: str, n: int) -> list[JobLog]:
     """The last `n` log lines, ascending."""
     rows = session.scalars(

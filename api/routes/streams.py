@@ -114,6 +114,24 @@ def list_metrics(job_id: str, session: DB, principal: Reader,
     """Points ascending by seq; with `max_points` the range is thinned (first/last + per-bucket min/max)."""
     load_job(session, principal, job_id)
     wanted = [k for k in (keys or "").split(",") if k] or None
+    if max_points is not None:
+        # Two passes: (seq, value of the shape key) for the whole range, then only the kept rows.
+        key = wanted[0] if wanted else "loss"
+        outline = repo.metric_outline(session, job_id, key, after=after, limit=limit + 1,
+                                      step_from=step_from, step_to=step_to)
+        more = len(outline) > limit
+        outline = outline[:limit]
+        total = len(outline)
+        if total > max_points:
+            keep = thin_outline(outline, max_points)
+            rows = repo.metrics_by_seq(session, job_id, keep)
+            pts = [serialize("metrics", r) for r in rows]
+            if wanted:
+                for p in pts:
+                    p["values"] = {k: v for k, v in p["values"].items() if k in wanted}
+            return {"object": "list", "data": pts, "has_more": more,
+                    "next_after": str(outline[-1][0]) if outline else None,
+                    "downsampled": True, "total_points": total}
     rows = repo.read_rows(session, "metrics", job_id, after=after, limit=limit + 1, step_from=step_from,
                           step_to=step_to)
     pts = [serialize("metrics", r) for r in rows]
@@ -127,6 +145,20 @@ def list_metrics(job_id: str, session: DB, principal: Reader,
         page["downsampled"] = True
     page["total_points"] = total
     return page
+
+
+def thin_outline(outline: list[tuple[int, float | None]], max_points: int) -> list[int]:
+    """Sequence numbers to keep from `(seq, value)` pairs (ascending): <= max_points of them.
+
+    Rows without the shape key (sparse evaluation records: measured AL, eval loss) are always kept;
+    the others are cut into equal buckets keeping each bucket's first, last, min and max, as `downsample`.
+    """
+    sparse = [s for s, v in outline if v is None]
+    dense = [(s, v) for s, v in outline if v is not None]
+    budget = max(4, max_points - len(sparse))
+    pts = [{"seq": s, "values": {"k": v}} for s, v in dense]
+    kept = [p["seq"] for p in downsample(pts, budget, "k")] if dense else []
+    return sorted(set(kept) | set(sparse))[: max(max_points, len(sparse))]
 
 
 def _stream_job(job_id: str, session: DB, principal: TokenReader) -> str:

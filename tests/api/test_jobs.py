@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.db import states
+from api.db.models import Job, JobMetric
+from api.db.session import session_scope
 from api.main import create_app
 
 Sim = Any
@@ -220,3 +223,26 @@ def test_browser_session_and_stream_token(client: TestClient, sim: Sim, submit: 
         assert s.status_code == 200
         assert "event: end" in s.read().decode()
     assert client.get(f"/v1/jobs/{jid}/events/stream?token=bad.token").status_code == 401
+
+
+def test_metrics_downsampling_keeps_spikes_and_sparse_eval_rows(
+    client: TestClient, alice: dict, sim: Sim, submit: Any
+) -> None:
+    jid = submit(client, alice)["id"]
+    sim.emit(jid, "metrics", 500, start_step=1)
+    with session_scope(sim.sessions) as s:
+        # a loss spike at step 250 and three sparse evaluation records (no training loss key)
+        s.execute(sa.update(JobMetric).where(JobMetric.job_id == jid, JobMetric.step == 250)
+                  .values(values={"loss": 99.0, "acc_0": 0.1}))
+        last = s.scalar(sa.update(Job).where(Job.id == jid).values(metric_seq=Job.metric_seq + 3)
+                        .returning(Job.metric_seq))
+        for i, step in enumerate((100, 300, 500)):
+            s.add(JobMetric(job_id=jid, seq=last - 2 + i, step=step, values={"acceptance_length": 1.5 + i}))
+    r = client.get(f"/v1/jobs/{jid}/metrics", params={"max_points": 40}, headers=alice).json()
+    assert r["downsampled"] and r["total_points"] == 503 and len(r["data"]) <= 40
+    losses = [p["values"].get("loss") for p in r["data"]]
+    assert 99.0 in losses
+    als = [p["values"]["acceptance_length"] for p in r["data"] if "acceptance_length" in p["values"]]
+    assert als == [1.5, 2.5, 3.5]
+    seqs = [p["seq"] for p in r["data"]]
+    assert seqs == sorted(seqs) and seqs[0] == 1
