@@ -33,6 +33,14 @@ def fixtures_cmd(
         typer.echo(f"tiny: {fixtures.tiny_llama_dir()}")
 
 
+from peagle import cli_run  # noqa: E402 - train, export, eval, validate
+
+cli_run.register(app)
+from peagle.cli_jobs import jobs_app  # noqa: E402 - `peagle jobs ...` against a running service
+
+app.add_typer(jobs_app, name="jobs")
+
+
 def main() -> None:
     """Entry point of the `peagle` console script."""
     try:

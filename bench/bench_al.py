@@ -1,0 +1,182 @@
+"""Acceptance length: reference decoder vs vLLM, and our trained draft vs untrained / peer drafts (issue 6).
+
+For a finished `peagle train` run (default: the demo preset's RUN), measures on the first N HumanEval
+prompts (default 40, 128 new tokens, K=4, greedy, chat-templated):
+  * `untrained`: the run's draft at step 0 (same seed, vocab, mask token; embeddings/lm_head from the target),
+  * `trained`: RUN/export (the best checkpoint, bf16 as served),
+  * `peer` (optional `--peer DIR`): an export of a draft trained by speculators' own PEagleDraftModel + loss,
+each with the pure-PyTorch reference decoder and (when `.vllm-venv` exists) vLLM CPU with parallel drafting.
+Prints the vLLM/reference AL agreement ratio (target: within 5 %) and our/peer AL ratio (target >= 1), and
+writes bench/results/al.json. Each (draft, engine) measurement is cached in .peagle/bench/al/ so stages can
+run at different times (`--drafts`, `--engines`; `--force` re-measures).
+
+    .venv/bin/python bench/bench_al.py --run RUN [--peer DIR] [--drafts untrained,trained] [--engines reference,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CACHE = ROOT / ".peagle" / "bench" / "al"
+RESULTS = ROOT / "bench" / "results"
+
+
+def untrained_export(run: Path, out: Path) -> Path:
+    """Export the run's step-0 draft (built exactly as the pipeline builds it)."""
+    import torch
+
+    from peagle.data.vocab import load_vocab
+    from peagle.export import export_draft
+    from peagle.pipeline import build_initial_draft, load_target, verifier_name
+    from peagle.spec import parse_spec
+
+    spec = parse_spec(json.loads((run / "resolved_spec.json").read_text()))
+    model, _, path = load_target(spec, torch.device("cpu"))
+    vocab = load_vocab(run / "data" / "vocab.safetensors")
+    if vocab.t2d is None:  # full vocab: DraftVocab carries no mapping
+        vocab.selected = torch.arange(int(model.config.vocab_size))
+    draft = build_initial_draft(
+        spec, model, vocab, int(spec.draft.mask_token_id), list(spec.draft.aux_layer_ids)
+    )
+    return export_draft(
+        draft,
+        out,
+        num_speculative_tokens=spec.peagle.num_depths,
+        verifier_name_or_path=verifier_name(spec, path),
+        verifier_architectures=list(model.config.architectures or ["LlamaForCausalLM"]),
+    )
+
+
+def measure(name: str, export: Path, engine: str, args: argparse.Namespace) -> dict:
+    from peagle.serve_check import run_eval
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    cache = CACHE / f"{name}_{engine}_{args.num_prompts}x{args.max_new_tokens}_k{args.k}.json"
+    if cache.exists() and not args.force:
+        return json.loads(cache.read_text())
+    t0 = time.time()
+    rep = run_eval(
+        export,
+        prompts="humaneval",
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        num_speculative_tokens=args.k,
+        engine=engine,
+        dtype=args.dtype,
+    )
+    rep["wall_seconds"] = round(time.time() - t0, 1)
+    rep["export"] = str(export)
+    cache.write_text(json.dumps(rep))
+    print(
+        f"{name:10s} {engine:9s} AL {rep.get('acceptance_length')}  per-position "
+        f"{[round(x, 3) for x in rep.get('per_position') or []]}  ({rep['wall_seconds']} s)",
+        flush=True,
+    )
+    return rep
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", type=Path, required=True, help="a finished `peagle train` run directory")
+    p.add_argument("--peer", type=Path, default=None, help="export dir of the peer-trained draft")
+    p.add_argument("--drafts", default="untrained,trained,peer")
+    p.add_argument("--draft-dir", action="append", default=[], help="NAME=EXPORT_DIR, another draft to measure")
+    p.add_argument("--engines", default="reference,vllm")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--dtype", default="float32", help="reference decoder dtype")
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args()
+
+    from peagle.serve_check import vllm_python
+
+    engines = [e for e in args.engines.split(",") if e and (e != "vllm" or vllm_python() is not None)]
+    exports: dict[str, Path] = {}
+    for name in args.drafts.split(","):
+        if name == "trained" and (args.run / "export" / "config.json").exists():
+            exports["trained"] = args.run / "export"
+        elif name == "untrained":
+            out = CACHE.parent / "untrained_export"
+            exports["untrained"] = (
+                out if (out / "config.json").exists() and not args.force else untrained_export(args.run, out)
+            )
+        elif name == "peer" and args.peer is not None:
+            exports["peer"] = args.peer
+    for item in args.draft_dir:
+        name, _, path = item.partition("=")
+        exports[name] = Path(path)
+    results: dict[str, dict] = {}
+    for name, export in exports.items():
+        for engine in engines:
+            results.setdefault(name, {})[engine] = measure(name, export, engine, args)
+
+    # Merge with what earlier invocations measured (same settings), so one al.json has everything.
+    suffix = f"_{args.num_prompts}x{args.max_new_tokens}_k{args.k}.json"
+    for f in sorted(CACHE.glob(f"*{suffix}")):
+        name, engine = f.name.removesuffix(suffix).rsplit("_", 1)
+        results.setdefault(name, {}).setdefault(engine, json.loads(f.read_text()))
+
+    def al(name: str, engine: str) -> float | None:
+        return (results.get(name, {}).get(engine) or {}).get("acceptance_length")
+
+    summary: dict = {
+        "settings": {
+            "prompts": "humaneval",
+            "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "num_speculative_tokens": args.k,
+            "reference_dtype": args.dtype,
+            "run": str(args.run),
+        },
+        "drafts": {
+            name: {
+                engine: {
+                    k: r.get(k)
+                    for k in (
+                        "acceptance_length",
+                        "per_position",
+                        "tokens_generated",
+                        "num_drafts",
+                        "wall_seconds",
+                        "speculative_config",
+                        "mask_hidden_loaded",
+                        "parallel_drafting_ok",
+                        "device",
+                    )
+                    if k in r
+                }
+                for engine, r in res.items()
+            }
+            for name, res in results.items()
+        },
+    }
+    for name in results:
+        ref, vl = al(name, "reference"), al(name, "vllm")
+        if ref and vl:
+            ratio = vl / ref
+            summary[f"{name}_vllm_vs_reference"] = {
+                "ratio": ratio,
+                "target": "0.95..1.05",
+                "pass": abs(ratio - 1) <= 0.05,
+            }
+    ours, peer = al("trained", "reference"), al("peer", "reference")
+    if ours and peer:
+        summary["ours_vs_peer"] = {"ratio": ours / peer, "target": ">= 1.0", "pass": ours >= peer}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "al.json").write_text(json.dumps(summary, indent=2))
+    for key, val in summary.items():
+        if isinstance(val, dict) and "ratio" in val:
+            print(f"{key}: ratio {val['ratio']:.3f} (target {val['target']}, pass {val['pass']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

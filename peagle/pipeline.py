@@ -1,0 +1,451 @@
+"""The whole `peagle train` pipeline: spec -> data -> vocab -> capture -> train -> evaluate -> export.
+
+    result = run_pipeline(spec, run_dir, sink=sink, resume="auto")
+
+Phases (each announced as a `phase` event on the sink, in this order): `validating` (target and
+tokenizer load, aux layer ids, provenance), `preparing_data` + `building_vocab` (`peagle.data.prepare`,
+cached in RUN/data), `capturing` (offline feature shards when `resources.capture == "offline"`),
+`training` (the trainer; every checkpoint carries the vLLM export, written by `export_draft` before its
+COMPLETE marker), `evaluating` (the reference decoder on the best checkpoint's EXPORT, i.e. on exactly
+the bf16 weights vLLM will serve), `exporting` (RUN/export = the best export + eval.json), optional
+`serve_check` (vLLM), `done`. The run directory layout is the contract of /work/brief/common.md.
+
+A resumed run (`resume="auto"`) reloads the prepared data by spec hash and the newest COMPLETE checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.errors import CheckpointError, TargetLoadError
+from peagle.spec import TrainSpec
+from peagle.train.progress import ProgressSink
+
+__all__ = ["PipelineResult", "build_initial_draft", "load_target", "resolve_dtype", "run_pipeline", "verifier_name"]
+
+
+@dataclass
+class PipelineResult:
+    """Where the pipeline ended: the export dir, the best checkpoint, and the evaluation."""
+
+    run_dir: Path
+    export_dir: Path | None = None
+    best_checkpoint: str | None = None
+    eval: dict[str, Any] = field(default_factory=dict)
+    serve_check: dict[str, Any] | None = None
+
+
+def resolve_dtype(spec: TrainSpec, device: torch.device) -> torch.dtype:
+    """`target.dtype` (auto = bf16 on CUDA, fp32 on CPU)."""
+    name = spec.target.dtype
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_target(spec: TrainSpec, device: torch.device) -> tuple[Any, Any, Path | str]:
+    """Load (model, tokenizer, resolved path) of the spec's target, eval mode on `device`.
+
+    Raises:
+        TargetLoadError: unknown builtin, missing folder, or transformers cannot load it (one line).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peagle.fixtures import resolve_target
+
+    try:
+        path = resolve_target(spec.target.model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise TargetLoadError(f"target.model: {exc}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), revision=spec.target.revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), revision=spec.target.revision, dtype=resolve_dtype(spec, device)
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetLoadError(f"target.model {spec.target.model!r} cannot be loaded: {first}") from None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tok, path
+
+
+def verifier_name(spec: TrainSpec, resolved: Path | str) -> str:
+    """What the export names as verifier: `target.name_or_path`, else the resolved folder / hub id."""
+    if spec.target.name_or_path:
+        return spec.target.name_or_path
+    return str(Path(resolved).resolve()) if isinstance(resolved, Path) else str(resolved)
+
+
+def _git_rev() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _provenance(device: torch.device, resolved: dict[str, Any]) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    pkgs = {}
+    for name in ("peagle", "torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            pkgs[name] = version(name)
+        except PackageNotFoundError:
+            pkgs[name] = None
+    return {
+        "packages": pkgs,
+        "python": sys.version.split()[0],
+        "git_rev": _git_rev(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "argv": list(sys.argv),
+        "pid": os.getpid(),
+        "resolved": resolved,
+    }
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+class _NoPhases:
+    """Forwards everything except `phase` events (the pipeline announces phases itself)."""
+
+    def __init__(self, sink: ProgressSink) -> None:
+        self.sink = sink
+
+    def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        self.sink.metric(step, epoch, values)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if kind != "phase":
+            self.sink.event(kind, **fields)
+
+    def log(self, level: str, message: str) -> None:
+        self.sink.log(level, message)
+
+
+def _phase(sink: ProgressSink, phase: str, message: str) -> None:
+    sink.event("phase", phase=phase, message=message)
+
+
+def run_pipeline(
+    spec: TrainSpec,
+    run_dir: str | Path,
+    *,
+    sink: ProgressSink,
+    resume: str = "auto",
+    dataset_root: Path | None = None,
+) -> PipelineResult:
+    """Run the whole training pipeline of `spec` into `run_dir` (layout: module docstring).
+
+    Args:
+        spec: the validated job spec.
+        run_dir: RUN (created if missing).
+        sink: receives every progress record (the CLI also appends them to RUN/progress.jsonl).
+        resume: `auto` (continue from the newest COMPLETE checkpoint) or `never`.
+        dataset_root: where `dataset:<id>` sources live.
+
+    Raises:
+        The `peagle.errors` classes (spec/data/target/export/resource/checkpoint problems) and
+        `TrainingInterrupted` after a SIGTERM (checkpoint saved).
+    """
+    from peagle.data.prepare import prepare_data
+    from peagle.draft import PEagleDraft
+    from peagle.export import export_draft
+    from peagle.features import OnlineFeatureSource, build_batch_source
+    from peagle.target import TargetCapture, resolve_aux_layer_ids
+    from peagle.train.loop import Trainer, resolve_device
+    from peagle.train.optim import total_steps
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    result = PipelineResult(run_dir=run)
+
+    _phase(sink, "validating", "loading the target and resolving the spec")
+    device = resolve_device(spec)
+    torch.manual_seed(spec.optim.seed)
+    model, tok, target_path = load_target(spec, device)
+    n_layers = int(model.config.num_hidden_layers)
+    try:
+        aux_ids = resolve_aux_layer_ids(spec.draft.aux_layer_ids, n_layers)
+    except ValueError as exc:
+        raise TargetLoadError(f"draft.aux_layer_ids: {exc}") from None
+    vocab_size = int(model.get_input_embeddings().weight.shape[0])
+    verifier = verifier_name(spec, target_path)
+    k_eval = spec.eval.num_speculative_tokens or spec.peagle.num_depths
+
+    _phase(sink, "preparing_data", "reading, templating and packing the data")
+    _phase(sink, "building_vocab", "draft vocabulary and mask token")
+    prepared = prepare_data(
+        spec,
+        tok,
+        run,
+        target_vocab_size=vocab_size,
+        dataset_root=dataset_root,
+        sink=_NoPhases(sink),
+        model=model if spec.data.regenerate.enabled else None,
+    )
+    vocab = prepared.vocab
+    capture = TargetCapture(model, aux_ids, None if vocab.is_full else vocab.selected)
+
+    _phase(sink, "capturing", f"target features ({spec.resources.capture})")
+    source = build_batch_source(spec, capture, prepared.train, run, name="train", sink=_NoPhases(sink))
+    eval_source = (
+        OnlineFeatureSource(capture, prepared.eval, spec.optim.micro_batch_size, spec.optim.seed)
+        if len(prepared.eval)
+        else None
+    )
+    steps = total_steps(spec.optim, source.num_batches())
+    resolved = spec.model_copy(deep=True)
+    resolved.draft.aux_layer_ids = list(aux_ids)
+    resolved.draft.mask_token_id = int(prepared.mask_token_id)
+    resolved.draft.draft_vocab_size = int(vocab.draft_vocab_size)
+    resolved.eval.num_speculative_tokens = int(k_eval)
+    resolved.optim.max_steps = int(steps)
+    _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
+    facts = {
+        "target_path": str(target_path),
+        "verifier_name_or_path": verifier,
+        "target_num_layers": n_layers,
+        "target_vocab_size": vocab_size,
+        "aux_layer_ids": aux_ids,
+        "mask_token_id": int(prepared.mask_token_id),
+        "draft_vocab_size": int(vocab.draft_vocab_size),
+        "total_steps": int(steps),
+        "train_rows": len(prepared.train),
+        "eval_rows": len(prepared.eval),
+    }
+    _write_json(run / "provenance.json", _provenance(device, facts))
+
+    draft = build_initial_draft(spec, model, vocab, int(prepared.mask_token_id), aux_ids)
+    arch = list(getattr(model.config, "architectures", None) or [type(model).__name__])
+
+    def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
+        export_draft(
+            d,
+            tmp_dir,
+            num_speculative_tokens=spec.peagle.num_depths,
+            verifier_name_or_path=verifier,
+            verifier_architectures=arch,
+            in_place=True,
+        )
+
+    trainer = Trainer(
+        spec,
+        draft,
+        source,
+        run_dir=run,
+        eval_source=eval_source,
+        sink=sink,
+        extra_writer=write_export,
+        evaluate_hook=_al_hook(spec, model, tok, k_eval)
+        if spec.checkpoints.select_best_by == "acceptance_length"
+        else None,
+        device=device,
+        resume=resume,
+    )
+    trainer.train()
+
+    best = _best_checkpoint(run / "checkpoints")
+    result.best_checkpoint = best.name
+    _phase(sink, "evaluating", f"acceptance length of {best.name} (reference decoder, K={k_eval})")
+    result.eval = _evaluate_export(spec, best, model, tok, k_eval, sink)
+    if result.eval.get("acceptance_length") is not None:
+        values = {"acceptance_length": result.eval["acceptance_length"]}
+        values.update({f"al_pos_{i}": v for i, v in enumerate(result.eval.get("per_position", []))})
+        sink.metric(trainer.step, trainer.step / max(steps, 1) * spec.optim.epochs, values)
+    sink.event("eval", metrics=result.eval)
+
+    _phase(sink, "exporting", "RUN/export = the best checkpoint's vLLM export")
+    export_dir = _copy_export(best, run / "export")
+    _write_json(export_dir / "eval.json", {"checkpoint": best.name, **result.eval})
+    result.export_dir = export_dir
+    sink.event("export", dir="export", checkpoint=best.name, message=f"exported {best.name} to RUN/export")
+
+    if spec.eval.serve_check or spec.eval.engine == "vllm":
+        _phase(sink, "serve_check", "loading the export in vLLM with parallel drafting")
+        result.serve_check = _serve_check(spec, export_dir, tok, k_eval, sink)
+    _phase(sink, "done", f"done: AL {result.eval.get('acceptance_length')} ({best.name})")
+    return result
+
+
+def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: int, aux_ids: list[int]) -> Any:
+    """The untrained draft of a run (seeded by `optim.seed`, embeddings/lm_head rows from the target).
+
+    Args:
+        spec: the job spec (`draft.num_layers`, `optim.seed`).
+        model: the loaded target.
+        vocab: the run's `DraftVocab` (`selected`, `t2d`).
+        mask_token_id: the resolved mask token.
+        aux_ids: the resolved aux layer ids.
+    """
+    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+
+    torch.manual_seed(spec.optim.seed)
+    cfg = DraftConfig.from_target(
+        model.config,
+        num_layers=spec.draft.num_layers,
+        draft_vocab_size=vocab.draft_vocab_size,
+        mask_token_id=mask_token_id,
+        aux_layer_ids=aux_ids,
+    )
+    draft = PEagleDraft(cfg)
+    init_from_target(draft, model, vocab.t2d)
+    return draft
+
+
+def _best_checkpoint(root: Path) -> Path:
+    from peagle.train.checkpoint import read_state
+
+    state = read_state(root)
+    for name in (state.get("best"), state.get("latest")):
+        if name and (root / name / "COMPLETE").exists():
+            return root / name
+    raise CheckpointError(f"{root}: no complete checkpoint to export")
+
+
+def _prompt_ids(spec: TrainSpec, tok: Any) -> list[tuple[str, list[list[int]]]]:
+    from peagle.evaluate import load_prompts, tokenize_prompts
+
+    return [
+        (ps.name, tokenize_prompts(tok, load_prompts(ps.name, ps.num_prompts)))
+        for ps in spec.eval.prompt_sets
+    ]
+
+
+def _eos_ids(model: Any, tok: Any) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tok.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+
+
+def _evaluate_export(
+    spec: TrainSpec, ckpt: Path, model: Any, tok: Any, k: int, sink: ProgressSink
+) -> dict[str, Any]:
+    from peagle.evaluate import evaluate_prompts
+    from peagle.export import load_exported_draft
+
+    draft = load_exported_draft(ckpt).to(next(model.parameters()).device)
+    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
+    out: dict[str, Any] = {
+        "tau_sim": meta.get("metrics", {}).get("eval_tau_sim", meta.get("metrics", {}).get("tau_sim"))
+    }
+    sets = {}
+    for name, prompts in _prompt_ids(spec, tok):
+        rep = evaluate_prompts(
+            model, draft, prompts, num_speculative_tokens=k, max_new_tokens=spec.eval.max_new_tokens,
+            eos_token_ids=_eos_ids(model, tok),
+        )  # fmt: skip
+        sets[name] = rep.to_dict()
+        sink.log(
+            "info",
+            f"{name}: AL {rep.acceptance_length:.3f} per-position {[round(x, 3) for x in rep.per_position]}",
+        )
+    if sets:
+        first = next(iter(sets.values()))
+        out.update(
+            acceptance_length=first["acceptance_length"], per_position=first["per_position"],
+            tokens_generated=first["tokens_generated"], num_speculative_tokens=k,
+        )  # fmt: skip
+    out["prompt_sets"] = sets
+    return out
+
+
+def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
+    """`evaluate_hook` measuring AL on the first prompt set (select_best_by = acceptance_length)."""
+    prompts = _prompt_ids(spec, tok)[0][1]
+
+    def hook(draft: Any, step: int) -> dict[str, float]:
+        from peagle.evaluate import evaluate_prompts
+
+        was_training = draft.training
+        draft.eval()
+        rep = evaluate_prompts(
+            model, draft, prompts, num_speculative_tokens=k, max_new_tokens=spec.eval.max_new_tokens,
+            eos_token_ids=_eos_ids(model, tok),
+        )  # fmt: skip
+        draft.train(was_training)
+        return {
+            "acceptance_length": rep.acceptance_length,
+            **{f"al_pos_{i}": v for i, v in enumerate(rep.per_position)},
+        }
+
+    return hook
+
+
+def _copy_export(ckpt: Path, dest: Path) -> Path:
+    from peagle.export import check_export
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(ckpt / name, tmp / name)
+    check_export(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
+
+
+def _serve_check(
+    spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink
+) -> dict[str, Any] | None:
+    from peagle.errors import ResourceError
+    from peagle.serve_check import compare_reports, run_vllm_probe, vllm_python
+
+    if vllm_python() is None:
+        sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")
+        return None
+    eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
+    name, prompts = _prompt_ids(spec, tok)[0]
+    try:
+        res = run_vllm_probe(
+            export_dir, prompts, max_new_tokens=spec.eval.max_new_tokens, num_speculative_tokens=k
+        )
+    except ResourceError as exc:
+        sink.event("warning", message=f"serve check failed: {exc}")
+        return None
+    ref = dict(eval_json.get("prompt_sets", {}).get(name, {}))
+    cmp = compare_reports(ref, res)
+    _write_json(export_dir / "serve_check.json", cmp)
+    sink.event(
+        "eval",
+        metrics={
+            "engine": "vllm",
+            **cmp["vllm"],
+            "al_ratio_vllm_over_reference": cmp["al_ratio_vllm_over_reference"],
+        },
+    )
+    if not res.get("parallel_drafting_ok"):
+        sink.event(
+            "warning",
+            message="vLLM did not run the export with parallel drafting: " + "; ".join(res["problems"]),
+        )
+    return cmp

@@ -1,0 +1,216 @@
+"""vLLM serve check: load an export in a real vLLM engine with parallel drafting and measure AL there.
+
+vLLM lives in its own venv (`make vllm-env` builds `.vllm-venv`; it pins a different transformers), so
+this module never imports it: it writes the tokenised prompts to a temp file, runs
+`peagle/vllm_probe.py` with that venv's Python and reads back its JSON (see the probe's docstring for
+what it verifies). `PEAGLE_VLLM_PYTHON` points at another interpreter (e.g. a GPU vLLM on a GPU worker);
+the probe uses CUDA when that interpreter's torch sees a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from peagle.errors import ResourceError
+
+__all__ = ["compare_reports", "probe_script", "run_eval", "run_vllm_probe", "vllm_python"]
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def probe_script() -> Path:
+    """Path of the script run inside the vLLM venv."""
+    return Path(__file__).resolve().with_name("vllm_probe.py")
+
+
+def vllm_python() -> Path | None:
+    """The Python of the vLLM venv (`PEAGLE_VLLM_PYTHON`, else `<repo>/.vllm-venv/bin/python`), or None."""
+    env = os.environ.get("PEAGLE_VLLM_PYTHON")
+    for cand in ([Path(env)] if env else []) + [_REPO / ".vllm-venv" / "bin" / "python"]:
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def run_vllm_probe(
+    export_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    num_speculative_tokens: int | None = None,
+    max_model_len: int = 1024,
+    timeout_s: float = 3600.0,
+    python: str | Path | None = None,
+    log_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run the vLLM probe on an export directory and return its JSON result.
+
+    Args:
+        export_dir: a speculators-format export (its verifier must be loadable offline).
+        prompts: token ids per prompt (already chat-templated), identical to the reference decoder's.
+        max_new_tokens: per prompt (greedy).
+        num_speculative_tokens: K override; None = `speculative_tokens` of the config.
+        max_model_len: vLLM's context limit (prompt + new tokens must fit).
+        timeout_s: wall-clock limit for the subprocess.
+        python: the vLLM interpreter; None = `vllm_python()`.
+        log_path: where vLLM's own output goes (default: a temp file, named in errors).
+
+    Returns:
+        The probe's result: `speculative_config`, `mask_hidden_loaded`, `parallel_drafting_ok`, `problems`,
+        `acceptance_length`, `per_position`, counters, `outputs` (token ids), timings.
+
+    Raises:
+        ResourceError: no vLLM venv, or the probe crashed / timed out (message names the log).
+    """
+    py = Path(python) if python is not None else vllm_python()
+    if py is None:
+        raise ResourceError(
+            "vLLM is not installed: run `make vllm-env` (builds .vllm-venv) or set PEAGLE_VLLM_PYTHON"
+        )
+    with tempfile.TemporaryDirectory(prefix="peagle-vllm-") as tmp:
+        prompt_file = Path(tmp) / "prompts.json"
+        out_file = Path(tmp) / "result.json"
+        prompt_file.write_text(json.dumps([{"prompt_token_ids": list(map(int, p))} for p in prompts]))
+        log = Path(log_path) if log_path is not None else Path(tmp) / "vllm.log"
+        cmd = [
+            str(py), str(probe_script()), "--model", str(Path(export_dir).resolve()), "--prompts", str(prompt_file),
+            "--out", str(out_file), "--max-new-tokens", str(max_new_tokens), "--max-model-len", str(max_model_len),
+        ]  # fmt: skip
+        if num_speculative_tokens is not None:
+            cmd += ["--num-speculative-tokens", str(num_speculative_tokens)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        iomp = py.parent.parent / "lib" / "libiomp5.so"  # vLLM CPU wants Intel OpenMP preloaded for spec decode
+        if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+            env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
+        env["HF_HUB_OFFLINE"] = "1"
+        with log.open("w") as fh:
+            try:
+                proc = subprocess.run(
+                    cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False
+                )
+            except subprocess.TimeoutExpired:
+                raise ResourceError(f"vLLM serve check timed out after {timeout_s:.0f} s") from None
+        if not out_file.exists():
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise ResourceError(f"vLLM serve check failed (exit {proc.returncode}): " + " | ".join(tail))
+        result = json.loads(out_file.read_text())
+    return result
+
+
+def compare_reports(reference: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """Side by side: AL and per-position of both engines, their ratio, and output agreement.
+
+    Args:
+        reference: `EvalReport.to_dict(with_outputs=True)` of the reference decoder.
+        vllm: `run_vllm_probe` result.
+    """
+    ref_al, v_al = reference.get("acceptance_length"), vllm.get("acceptance_length")
+    ratio = v_al / ref_al if ref_al and v_al else None
+    ref_out, v_out = reference.get("outputs") or [], vllm.get("outputs") or []
+    same = sum(1 for a, b in zip(ref_out, v_out, strict=False) if list(a) == list(b))
+    return {
+        "reference": {
+            k: reference.get(k)
+            for k in ("acceptance_length", "per_position", "num_drafts", "tokens_generated")
+        },
+        "vllm": {
+            k: vllm.get(k)
+            for k in (
+                "acceptance_length",
+                "per_position",
+                "num_drafts",
+                "tokens_generated",
+                "speculative_config",
+                "mask_hidden_loaded",
+                "parallel_drafting_ok",
+                "problems",
+                "vllm_version",
+                "device",
+            )
+        },
+        "al_ratio_vllm_over_reference": ratio,
+        "al_within_5pct": ratio is not None and abs(ratio - 1.0) <= 0.05,
+        "identical_outputs": same,
+        "num_prompts": min(len(ref_out), len(v_out)),
+    }
+
+
+def run_eval(
+    export_dir: str | Path,
+    *,
+    prompts: str,
+    num_prompts: int,
+    max_new_tokens: int,
+    num_speculative_tokens: int | None = None,
+    engine: str = "reference",
+    target: str | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """AL of an export with the reference decoder, vLLM, or both (what `peagle eval` prints).
+
+    Args:
+        export_dir: a validated export directory.
+        prompts: `humaneval`, `sharegpt-heldout` or a JSONL path.
+        num_prompts, max_new_tokens: first N prompts, tokens per prompt.
+        num_speculative_tokens: K; None = the export's `speculative_tokens`.
+        engine: `reference`, `vllm` or `both` (both adds the comparison).
+        target: target folder for the reference decoder; None = the export's verifier.
+        dtype: reference decoder dtype (`float32` or `bfloat16`).
+
+    Returns:
+        `{"engine", "acceptance_length", "per_position", "tokens_generated", "num_drafts", ...}`; with
+        `both`, the reference numbers at top level plus `"vllm"` and `"comparison"`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peagle.errors import TargetLoadError
+    from peagle.evaluate import evaluate_prompts, load_prompts, tokenize_prompts
+    from peagle.export import check_export, load_exported_draft, num_speculative_tokens_of, read_export_config
+
+    check_export(export_dir)
+    cfg = read_export_config(export_dir)
+    k = num_speculative_tokens or num_speculative_tokens_of(cfg)
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    tpath = target or verifier
+    if not tpath:
+        raise TargetLoadError("no target: pass --target (the export names no verifier)")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tpath))
+    except (OSError, ValueError) as exc:
+        raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
+    ids = tokenize_prompts(tok, load_prompts(prompts, num_prompts))
+    out: dict[str, Any] = {"prompts": prompts, "num_prompts": len(ids), "max_new_tokens": max_new_tokens}
+    ref: dict[str, Any] | None = None
+    if engine in ("reference", "both"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=torch_dtype).eval()
+        except (OSError, ValueError) as exc:
+            raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
+        draft = load_exported_draft(export_dir, dtype=torch_dtype, validate=False)
+        eos = model.generation_config.eos_token_id
+        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        rep = evaluate_prompts(
+            model, draft, ids, num_speculative_tokens=k, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids
+        )
+        ref = rep.to_dict(with_outputs=True)
+        out.update({"engine": "reference", **{k_: v for k_, v in ref.items() if k_ != "outputs"}})
+    if engine in ("vllm", "both"):
+        res = run_vllm_probe(export_dir, ids, max_new_tokens=max_new_tokens, num_speculative_tokens=k)
+        slim = {k_: v for k_, v in res.items() if k_ != "outputs"}
+        if ref is None:
+            out.update(slim)
+        else:
+            out["vllm"] = slim
+            out["comparison"] = compare_reports(ref, res)
+    return out

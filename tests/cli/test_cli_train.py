@@ -1,0 +1,100 @@
+"""`peagle train tiny` end to end in a subprocess: exit 0, the RUN layout of the contract, a valid export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from peagle.cli import app
+
+PHASES = ["validating", "preparing_data", "building_vocab", "capturing", "training", "evaluating", "exporting", "done"]
+
+
+def _peagle(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no OpenMP spin-waits on a shared CPU
+    return subprocess.run([sys.executable, "-m", "peagle", *args], capture_output=True, text=True, timeout=timeout,
+                          check=False, env=env)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_target_path) -> tuple[Path, subprocess.CompletedProcess]:
+    run = tmp_path_factory.mktemp("cli") / "run"
+    proc = _peagle("train", "tiny", "--out", str(run), "--progress-jsonl", "-")
+    return run, proc
+
+
+def test_train_exits_zero_and_streams_json_lines(tiny_run):
+    run, proc = tiny_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is a JSON record
+    assert all({"type", "time"} <= set(r) for r in records)
+    phases = [r["phase"] for r in records if r.get("kind") == "phase"]
+    assert phases == PHASES
+    assert any(r["type"] == "metric" and "loss" in r["values"] for r in records)
+    evals = [r for r in records if r.get("kind") == "eval" and "acceptance_length" in r["metrics"]]
+    assert evals and len(evals[-1]["metrics"]["per_position"]) == 3
+    ckpts = [r for r in records if r.get("kind") == "checkpoint"]
+    assert ckpts and all(any(f["path"] == "model.safetensors" for f in c["files"]) for c in ckpts)
+    file_records = [json.loads(line) for line in (run / "progress.jsonl").read_text().splitlines()]
+    assert [r["type"] for r in file_records] == [r["type"] for r in records]
+
+
+def test_run_directory_layout(tiny_run):
+    run, _ = tiny_run
+    from peagle.spec import parse_spec
+
+    resolved = parse_spec(json.loads((run / "resolved_spec.json").read_text()))
+    assert resolved.draft.aux_layer_ids == [1, 2, 3]  # tiny-llama: 4 layers, [2, N//2, N-3] collide -> [1, 2, 3]
+    assert isinstance(resolved.draft.mask_token_id, int) and resolved.draft.draft_vocab_size == 512
+    assert resolved.optim.max_steps >= 1 and resolved.eval.num_speculative_tokens == 3
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["packages"]["torch"] and prov["resolved"]["total_steps"] == resolved.optim.max_steps
+    assert (run / "data" / "vocab.safetensors").is_file()
+    state = json.loads((run / "checkpoints" / "state.json").read_text())
+    for name in (state["latest"], state["best"]):
+        ck = run / "checkpoints" / name
+        for f in ("config.json", "model.safetensors", "training_state.pt", "meta.json", "COMPLETE"):
+            assert (ck / f).is_file(), ck / f
+    for f in ("config.json", "model.safetensors", "eval.json"):
+        assert (run / "export" / f).is_file()
+    ev = json.loads((run / "export" / "eval.json").read_text())
+    assert ev["checkpoint"] == state["best"] and ev["acceptance_length"] >= 1.0
+
+
+def _cli(*args: str):
+    """In-process CLI call (the subprocess contract is covered by the train run above)."""
+    return CliRunner().invoke(app, list(args))
+
+
+def test_validate_passes_on_run_and_export(tiny_run):
+    run, _ = tiny_run
+    for d in (run, run / "export"):
+        r = _cli("validate", str(d))
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.startswith("ok:")
+
+
+def test_export_eagle3_layout_and_eval(tiny_run, tmp_path):
+    run, _ = tiny_run
+    r = _cli("export", str(run), "--out", str(tmp_path / "e3"), "--layout", "eagle3")
+    assert r.exit_code == 0, r.stderr
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = _cli("eval", str(run / "export"), "--prompts", "humaneval", "--num-prompts", "1", "--max-new-tokens", "6",
+                 "--json")  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["engine"] == "reference" and rep["tokens_generated"] == 6 and len(rep["per_position"]) == 3

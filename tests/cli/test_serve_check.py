@@ -1,0 +1,50 @@
+"""The vLLM serve check (slow): an export loads in vLLM with parallel drafting really on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle.serve_check import compare_reports, run_vllm_probe, vllm_python
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_export(smollm2_path, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.export import export_draft
+
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run `make vllm-env` (builds .vllm-venv)")
+    target = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    n = target.config.num_hidden_layers
+    cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=4096, mask_token_id=49151,
+                                  aux_layer_ids=[2, n // 2, n - 3])  # fmt: skip
+    torch.manual_seed(0)
+    draft = PEagleDraft(cfg)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[:4096] = True
+    init_from_target(draft, target, t2d)
+    out = export_draft(draft, tmp_path_factory.mktemp("vllm") / "export", num_speculative_tokens=3,
+                       verifier_name_or_path=str(smollm2_path), verifier_architectures=["LlamaForCausalLM"])  # fmt: skip
+    return out, target, draft.eval()
+
+
+def test_vllm_loads_with_parallel_drafting(smollm2_export, smollm2_tokenizer):
+    from peagle.evaluate import evaluate_prompts, tokenize_prompts
+
+    export, target, draft = smollm2_export
+    prompts = tokenize_prompts(smollm2_tokenizer, ["Write a haiku about the sea.", "def add(a, b):"])
+    res = run_vllm_probe(export, prompts, max_new_tokens=16)
+    assert res["problems"] == [] and res["parallel_drafting_ok"] is True
+    spec = res["speculative_config"]
+    assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True
+    assert spec["num_speculative_tokens"] == 3 and spec["draft_architectures"] == ["PeagleLlamaForCausalLM"]
+    assert res["mask_hidden_loaded"] is True
+    assert res["num_drafts"] > 0 and len(res["per_position"]) == 3 and res["acceptance_length"] >= 1.0
+    ref = evaluate_prompts(target, draft, prompts, num_speculative_tokens=3, max_new_tokens=16)
+    cmp = compare_reports(ref.to_dict(with_outputs=True), res)
+    assert cmp["num_prompts"] == 2 and cmp["vllm"]["parallel_drafting_ok"] is True
