@@ -45,13 +45,17 @@ class Publisher:
         return self._send(job_id)
 
     def publish_status(self, job_id: str, status: str) -> bool:
-        """Publish a status change (sequence numbers as last published)."""
-        self._last = {**self._last, "job_id": job_id, "status": status}
-        return self._send(job_id)
+        """Publish a status change (sequence numbers as last published).
 
-    def _send(self, job_id: str) -> bool:
+        A status change is rare and final-looking to listeners, so it is always attempted, even inside
+        the back-off window after a failure (a job that ends right after Redis returns still says so).
+        """
+        self._last = {**self._last, "job_id": job_id, "status": status}
+        return self._send(job_id, force=True)
+
+    def _send(self, job_id: str, *, force: bool = False) -> bool:
         now = time.monotonic()
-        if now < self._down_until:
+        if now < self._down_until and not force:
             return False
         try:
             self._client.publish(channel(job_id), json.dumps(self._last))

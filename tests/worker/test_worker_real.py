@@ -250,7 +250,9 @@ def test_postgres_redis_end_to_end_survives_redis_restart(make_stack, api, postg
         stack.start_reaper()
         stack.start_worker()
         client = api(stack)
-        job_id = submit(client)
+        # long enough that training is still running when Redis comes back, even on a quiet machine
+        job_id = submit(client, {**OVERRIDES, "optim": {"max_steps": 80, "epochs": 50},
+                                 "checkpoints": {"every_steps": 20}})
         wakeups, stop = [], threading.Event()
 
         def listen():  # a live-channel listener that reconnects, as the API's does
