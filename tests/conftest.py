@@ -115,3 +115,15 @@ def smollm2_tokenizer(smollm2_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path))
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for the test: tiny tensors on 2 shared cores are far faster without OpenMP
+    threads fighting other processes. Directories opt in with an autouse fixture that requests this one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
