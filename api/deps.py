@@ -34,6 +34,7 @@ __all__ = [
     "AppState",
     "auth",
     "get_db",
+    "get_read_db",
     "get_state",
     "json_ok",
     "releases_db",
@@ -53,6 +54,7 @@ class AppState:
     engine: sa.Engine
     sessions: sessionmaker[Session]
     producer: Any
+    read_sessions: sessionmaker[Session] | None = None  # autocommit sessions for read-only handlers
     redis: Any = None
     hub: Any = None
     metrics: Any = None
@@ -82,6 +84,19 @@ async def get_db(state: State) -> AsyncIterator[Session]:
 
 
 DB = Annotated[Session, Depends(get_db)]
+
+
+async def get_read_db(state: State) -> Session:
+    """A read-only session in autocommit mode (no BEGIN/ROLLBACK round trips) for `releases_db` handlers.
+
+    Not a generator: the handler's `releases_db` wrapper closes it in the handler's own thread (a
+    generator teardown would run on the event loop for every request). A session takes a connection
+    only when first used, so one the handler never reaches (401, 422) holds nothing.
+    """
+    return (state.read_sessions or state.sessions)()
+
+
+ReadDB = Annotated[Session, Depends(get_read_db)]
 
 
 def _b64(raw: bytes) -> str:

@@ -84,15 +84,18 @@ class MetricsMiddleware:
 
 def _build_state(settings: Settings) -> AppState:
     from api.db import upgrade
-    from api.db.session import make_engine, make_session_factory
+    from api.db.session import make_engine, make_read_engine, make_session_factory
     from api.queue import make_producer
 
     url = settings.resolved_database_url()
     if settings.embedded and url.startswith("sqlite"):
         upgrade(url)  # embedded default: the schema still comes only from the migrations
-    engine = make_engine(url)
+    # No pre-ping (a round trip per request): after a database restart, the first query on a stale
+    # connection fails (that request answers 500) and SQLAlchemy then discards the whole stale pool.
+    engine = make_engine(url, pool_pre_ping=False, pool_recycle=1800)
     state = AppState(settings=settings, engine=engine, sessions=make_session_factory(engine),
-                     producer=make_producer(settings))
+                     producer=make_producer(settings),
+                     read_sessions=make_session_factory(make_read_engine(engine)))
     if settings.redis_url:
         import redis
         import redis.asyncio as aioredis
@@ -116,7 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         to_thread.current_default_thread_limiter().total_tokens = THREADS
         state = _build_state(settings or get_settings())
         state.metrics = metrics
-        state.hub = LiveHub(state.sessions, serialize_raw, redis=state.redis)
+        state.hub = LiveHub(state.read_sessions or state.sessions, serialize_raw, redis=state.redis)
         await state.hub.start()
         app.state.peagle = state
         try:
@@ -131,9 +134,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="P-EAGLE training service", version="1", description=DESCRIPTION, lifespan=lifespan)
     install_error_handlers(app)
-    from api.routes import auth, checkpoints, datasets, jobs, meta, streams
+    from api.routes import auth, checkpoints, datasets, jobs, meta, streams, webhooks
 
-    for module in (meta, auth, jobs, streams, checkpoints, datasets):
+    for module in (meta, auth, jobs, streams, checkpoints, datasets, webhooks):
         app.include_router(module.router)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if FRONTEND.is_dir():

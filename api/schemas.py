@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "CheckpointOut",
@@ -258,3 +259,76 @@ class TokenOut(BaseModel):
 class WhoAmI(BaseModel):
     owner: str
     scopes: list[str]
+
+
+WebhookEventType = Literal["job.status_changed", "job.succeeded", "job.failed", "job.cancelled",
+                           "job.checkpoint_saved"]
+
+
+class WebhookCreate(BaseModel):
+    """A webhook endpoint: where to POST which job events (signed, Standard Webhooks headers)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1, max_length=2048, description="http(s) URL that receives the POSTs.")
+    events: list[WebhookEventType] = Field(min_length=1, max_length=5, description="Event types to receive.")
+    description: str = Field(default="", max_length=500, pattern=r"^[^\x00]*$")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if any(ord(c) < 33 or ord(c) == 127 for c in v):
+            raise ValueError("the URL must not contain spaces or control characters")
+        try:
+            parts = urlsplit(v)
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"not a valid URL: {exc}") from None
+        del port
+        if parts.scheme not in ("http", "https"):
+            raise ValueError("the URL must start with http:// or https://")
+        if not parts.hostname:
+            raise ValueError("the URL needs a host")
+        return v
+
+    @field_validator("events")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
+
+
+class WebhookOut(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    url: str
+    events: list[str]
+    description: str
+    created_at: datetime
+
+
+class WebhookCreated(WebhookOut):
+    secret: str = Field(description="Signing secret (`whsec_...`), shown only in this answer.")
+
+
+class WebhookPage(Page):
+    data: list[WebhookOut]  # type: ignore[assignment]
+
+
+class DeliveryOut(BaseModel):
+    id: str = Field(description="The message id (`webhook-id` header).")
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    endpoint_id: str
+    event_type: str
+    job_id: str | None
+    payload: dict[str, Any]
+    status: Literal["pending", "succeeded", "failed"]
+    attempts: int
+    next_attempt_at: datetime | None
+    last_attempt_at: datetime | None
+    last_status_code: int | None
+    last_error: str | None
+    created_at: datetime
+
+
+class DeliveryPage(Page):
+    data: list[DeliveryOut]  # type: ignore[assignment]

@@ -50,6 +50,14 @@ class Settings(BaseSettings):
         description="Command prefix the worker runs as the trainer (shell words, then `train SPEC ...`); "
         "default `<python> -m peagle`. Tests substitute a fake trainer.",
     )
+    webhook_max_attempts: int = Field(default=8, ge=1, le=50, description="Delivery attempts before a webhook "
+                                      "message is marked failed.")
+    webhook_retry_base_seconds: float = Field(default=5.0, gt=0, description="Webhook back-off: base, 4x, 16x, "
+                                              "... seconds (capped at 1 h).")
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0, description="Per-attempt webhook HTTP timeout.")
+    webhook_poll_seconds: float = Field(default=1.0, gt=0, description="How often the dispatcher looks for "
+                                        "new job events and due deliveries.")
+    max_webhooks_per_owner: int = Field(default=20, ge=1, description="Per owner: webhook endpoints.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def resolved_database_url(self) -> str:

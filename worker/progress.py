@@ -49,6 +49,15 @@ def _finite_values(values: Any) -> dict[str, float]:
     return out
 
 
+def _eval_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """An eval record's finite numbers, with its `per_position` list spread into `al_pos_{k}` keys."""
+    values = _finite_values(metrics)
+    per_pos = metrics.get("per_position")
+    if isinstance(per_pos, list):
+        values.update(_finite_values({f"al_pos_{k}": v for k, v in enumerate(per_pos)}))
+    return values
+
+
 class ProgressCollector:
     """Accumulates records into a `Batch`; remembers the phase, last error and checkpoints seen."""
 
@@ -133,6 +142,7 @@ class ProgressCollector:
             self.last_error = {"code": rec.get("code"), "message": message}
         elif kind == "eval":
             self._eval_metrics(rec, when)
+            self._checkpoint_eval(rec)
             if not message:
                 shown = {k: v for k, v in _finite_values(rec.get("metrics")).items()
                          if k in ("eval_loss", "eval_tau_sim", "tau_sim", "acceptance_length")}
@@ -141,15 +151,22 @@ class ProgressCollector:
         self.batch.events.append({"kind": kind, "phase": self.phase, "message": message[:_MAX_MESSAGE],
                                   "data": data, "time": when})
 
+    def _checkpoint_eval(self, rec: dict[str, Any]) -> None:
+        """An eval naming `checkpoint_step` (the pipeline's final AL of the best checkpoint) is also
+        recorded on that checkpoint, so the checkpoints table shows its measured AL."""
+        step = rec.get("checkpoint_step")
+        raw = rec.get("metrics")
+        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(raw, dict):
+            return
+        values = {k: v for k, v in _eval_values(raw).items() if k == "acceptance_length" or k.startswith("al_pos_")}
+        if values:
+            self.batch.checkpoint_metrics.append({"step": step, "metrics": values})
+
     def _eval_metrics(self, rec: dict[str, Any], when: datetime) -> None:
         """Evaluation results are metric keys too (`eval_*`, `acceptance_length`, `al_pos_{k}`): store
         them as a metric record at the eval's step (the last training step when it names none)."""
         raw = rec.get("metrics")
-        metrics: dict[str, Any] = raw if isinstance(raw, dict) else {}
-        values = _finite_values(metrics)
-        per_pos = metrics.get("per_position")
-        if isinstance(per_pos, list):
-            values.update(_finite_values({f"al_pos_{k}": v for k, v in enumerate(per_pos)}))
+        values = _eval_values(raw if isinstance(raw, dict) else {})
         step = rec.get("step") if isinstance(rec.get("step"), int) else self.last_metric_step
         if values and step is not None:
             self.batch.metrics.append({"step": step, "epoch": None, "values": values, "time": when})

@@ -14,6 +14,9 @@ With `--resend-queued Q1,Q2` it first sends a message for every queued job on th
 gone. `python -m worker` does this on start in embedded mode. A duplicate message is harmless: a job is
 claimed once (`api.db.lease.claim_job`), the other task returns at once.
 The broker is never asked to redeliver anything.
+
+The webhook dispatcher (`worker.webhooks`) runs as a thread of this process (`--no-webhooks` to leave it
+out), so every deployment that runs a reaper also delivers webhooks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from api.db.session import make_engine, make_session_factory, session_scope
 from api.queue import make_producer
 from api.settings import Settings, get_settings
 from worker.live import Publisher
+from worker.webhooks import start_dispatcher
 
 __all__ = ["main", "reap_once", "run_reaper"]
 
@@ -79,12 +83,16 @@ def resend_queued(factory: sessionmaker[Session], producer: Any, queues: list[st
 
 
 def run_reaper(settings: Settings, *, interval: float, stop: threading.Event,
-               resend_queues: list[str] | None = None) -> None:
-    """Reap every `interval` seconds until `stop` is set (database errors are logged, not fatal)."""
+               resend_queues: list[str] | None = None, webhooks: bool = True) -> None:
+    """Reap every `interval` seconds until `stop` is set (database errors are logged, not fatal).
+
+    With `webhooks`, the webhook dispatcher runs beside it in a thread (its own pace and sessions).
+    """
     engine = make_engine(settings.resolved_database_url())
     factory = make_session_factory(engine)
     producer = make_producer(settings)
     publisher = Publisher(settings.redis_url) if settings.redis_url else None
+    dispatcher = start_dispatcher(settings, factory, stop) if webhooks else None
     try:
         if resend_queues:
             n = resend_queued(factory, producer, resend_queues)
@@ -96,6 +104,9 @@ def run_reaper(settings: Settings, *, interval: float, stop: threading.Event,
                 log.warning("reaper: database error (%s); retrying", exc)
             stop.wait(interval)
     finally:
+        stop.set()
+        if dispatcher is not None:
+            dispatcher.join(timeout=settings.webhook_timeout_seconds + 5)
         if publisher is not None:
             publisher.close()
         producer.close()
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="one pass, then exit")
     parser.add_argument("--resend-queued", default=None, metavar="QUEUES",
                         help="first send a message for every queued job on these queues (comma-separated)")
+    parser.add_argument("--no-webhooks", action="store_true", help="do not run the webhook dispatcher thread")
     args = parser.parse_args(argv)
     settings = get_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     resend = [q for q in (args.resend_queued or "").split(",") if q]
-    run_reaper(settings, interval=interval, stop=stop, resend_queues=resend)
+    run_reaper(settings, interval=interval, stop=stop, resend_queues=resend, webhooks=not args.no_webhooks)
     return 0
 
 

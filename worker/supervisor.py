@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -192,11 +193,12 @@ class Supervisor:
 
     def _requeue_batch(self, batch: Any) -> None:
         pending = self.collector.take()
-        for name in ("metrics", "events", "logs", "checkpoints", "missing_checkpoint_steps"):
-            getattr(batch, name).extend(getattr(pending, name))
-        for name in ("progress", "phase", "resolved_spec", "provenance"):
-            if getattr(pending, name) is not None:
-                setattr(batch, name, getattr(pending, name))
+        for f in dataclasses.fields(pending):  # lists append; single values: the newer one wins
+            value = getattr(pending, f.name)
+            if isinstance(value, list):
+                getattr(batch, f.name).extend(value)
+            elif value is not None:
+                setattr(batch, f.name, value)
         self.collector.batch = batch
 
     def _pick_up_run_files(self, force: bool = False) -> None:
@@ -319,8 +321,10 @@ class Supervisor:
         self.collector.checkpoints_seen = 0
 
     def _supervise(self, argv: list[str]) -> str:
+        # No Hugging Face progress bars: stderr lines become job logs, and a bar there is noise
+        # ("0%| | 0/272"). Not TQDM_DISABLE: vLLM's serve check divides by a disabled bar's elapsed time.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PEAGLE_JOB_ID": self.lease.job_id,
-               "PEAGLE_ATTEMPT": str(self.lease.attempt)}
+               "PEAGLE_ATTEMPT": str(self.lease.attempt), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         try:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

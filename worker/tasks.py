@@ -15,18 +15,19 @@ from collections.abc import Callable
 from typing import Any
 
 from api.db import states
-from api.db.lease import claim_job, finish
+from api.db.lease import ConcurrencyLimited, claim_job, defer_claim, finish
 from api.db.session import make_engine, make_session_factory, session_scope
 from api.queue import TRAIN_TASK, make_producer
 from api.settings import Settings
 from worker.live import Publisher
 from worker.supervisor import Supervisor
 
-__all__ = ["NOT_CLAIMED", "register_tasks", "run_job"]
+__all__ = ["DEFERRED", "NOT_CLAIMED", "register_tasks", "run_job"]
 
 log = logging.getLogger(__name__)
 
 NOT_CLAIMED = "not_claimed"
+DEFERRED = "deferred"
 
 
 def _sender(settings: Settings) -> Callable[[str, str], str]:
@@ -41,15 +42,23 @@ def _sender(settings: Settings) -> Callable[[str, str], str]:
 
 
 def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) -> str:
-    """Claim and supervise one job; returns its final status (or `NOT_CLAIMED`)."""
+    """Claim and supervise one job; returns its final status (or `NOT_CLAIMED`, or `DEFERRED` when its
+    owner already runs `max_concurrent_jobs` jobs: it stays queued and the reaper re-sends it later)."""
     engine = make_engine(settings.resolved_database_url())
     factory = make_session_factory(engine)
     owner = lease_owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     publisher = Publisher(settings.redis_url) if settings.redis_url else None
     try:
-        with session_scope(factory) as s:
-            lease = claim_job(s, job_id, owner=owner, lease_seconds=settings.lease_seconds,
-                              artifact_dir=str(settings.resolved_artifact_root() / job_id))
+        try:
+            with session_scope(factory) as s:
+                lease = claim_job(s, job_id, owner=owner, lease_seconds=settings.lease_seconds,
+                                  artifact_dir=str(settings.resolved_artifact_root() / job_id),
+                                  max_concurrent=settings.max_concurrent_jobs)
+        except ConcurrencyLimited as exc:
+            with session_scope(factory) as s:
+                defer_claim(s, job_id, running=exc.running, limit=exc.limit)
+            log.info("%s: left queued; the reaper re-sends it", exc)
+            return DEFERRED
         if lease is None:
             log.info("job %s is not claimable (not queued, or claimed elsewhere): skipped", job_id)
             return NOT_CLAIMED

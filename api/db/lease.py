@@ -24,13 +24,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from api.db import states
-from api.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, utcnow
+from api.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
 
 __all__ = [
+    "QUOTA_WAIT",
     "Batch",
+    "ConcurrencyLimited",
     "JobControl",
     "Lease",
     "LeaseLost",
@@ -38,6 +40,7 @@ __all__ = [
     "add_job_event",
     "claim_job",
     "dataset_files",
+    "defer_claim",
     "expire_lease",
     "finish",
     "heartbeat",
@@ -48,8 +51,20 @@ __all__ = [
     "unsent_queued_jobs",
 ]
 
+#: Phase of a queued job that a worker left queued because of its owner's `max_concurrent_jobs`.
+QUOTA_WAIT = "waiting_for_quota"
 #: Statuses in which a worker holds the job's lease.
 LEASED = (states.RUNNING, states.PAUSING, states.CANCELLING)
+
+
+class ConcurrencyLimited(Exception):
+    """The job's owner already runs `max_concurrent_jobs` jobs: it stays queued (see `defer_claim`)."""
+
+    code = "concurrency_limited"
+
+    def __init__(self, job_id: str, running: int, limit: int) -> None:
+        super().__init__(f"job {job_id}: its owner already runs {running} job(s) (max_concurrent_jobs={limit})")
+        self.job_id, self.running, self.limit = job_id, running, limit
 
 
 class LeaseLost(Exception):
@@ -93,6 +108,9 @@ class Batch:
     logs: list[dict[str, Any]] = field(default_factory=list)  # {level, message, time}
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # {step, dir, files, metrics, is_best}
     missing_checkpoint_steps: list[int] = field(default_factory=list)  # deleted by keep_last
+    #: {step, metrics}: measurements made after a checkpoint was saved (the final AL of the best one),
+    #: merged into that checkpoint's metrics.
+    checkpoint_metrics: list[dict[str, Any]] = field(default_factory=list)
     progress: dict[str, Any] | None = None
     phase: str | None = None
     resolved_spec: dict[str, Any] | None = None
@@ -105,6 +123,7 @@ class Batch:
             or self.logs
             or self.checkpoints
             or self.missing_checkpoint_steps
+            or self.checkpoint_metrics
             or self.progress is not None
             or self.phase is not None
             or self.resolved_spec is not None
@@ -151,17 +170,34 @@ def add_job_event(session: Session, job_id: str, *, kind: str, message: str, att
     return seqs[0]
 
 
+def _running_of_owner() -> sa.ScalarSelect[int]:
+    other = aliased(Job)
+    return (sa.select(sa.func.count()).select_from(other)
+            .where(other.owner_id == Job.owner_id, other.status.in_(LEASED)).scalar_subquery())
+
+
 def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float, artifact_dir: str,
-              now: datetime | None = None) -> Lease | None:
+              max_concurrent: int | None = None, now: datetime | None = None) -> Lease | None:
     """Take a queued job: `queued -> running` with a fresh lease. None if it is not claimable.
 
     A job that is not `queued` (cancelled or paused while queued, already running under a live lease,
     terminal) is never claimed: the second of two workers given the same job gets None.
+    With `max_concurrent`, a job whose owner already holds that many leased jobs (running, pausing,
+    cancelling) is not claimed either: `ConcurrencyLimited` is raised and the job stays queued. The
+    count is taken inside the claiming UPDATE, after locking the owner row on PostgreSQL, so two
+    workers claiming two jobs of one owner at once cannot both pass the limit (SQLite serialises writers).
     """
     now = now or utcnow()
+    where = sa.and_(Job.id == job_id, Job.status == states.QUEUED)
+    if max_concurrent is not None:
+        owner_id = session.execute(sa.select(Job.owner_id).where(where)).scalar()
+        if owner_id is None:
+            return None
+        session.execute(sa.select(Owner.id).where(Owner.id == owner_id).with_for_update())
+        where = sa.and_(where, _running_of_owner() < max_concurrent)
     stmt = (
         sa.update(Job)
-        .where(Job.id == job_id, Job.status == states.QUEUED)
+        .where(where)
         .values(
             status=states.RUNNING,
             lease_owner=owner,
@@ -174,6 +210,7 @@ def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float
             error_message=None,
             error_retryable=None,
             artifact_dir=artifact_dir,
+            phase=sa.case((Job.phase == QUOTA_WAIT, None), else_=Job.phase),
             updated_at=now,
         )
         .returning(Job.attempt, Job.queue, Job.spec, Job.max_restarts, Job.latest_checkpoint_step)
@@ -181,6 +218,11 @@ def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float
     )
     row = session.execute(stmt).first()
     if row is None:
+        if max_concurrent is not None:
+            running = session.execute(sa.select(_running_of_owner()).where(Job.id == job_id)).scalar()
+            status = session.execute(sa.select(Job.status).where(Job.id == job_id)).scalar()
+            if status == states.QUEUED:
+                raise ConcurrencyLimited(job_id, int(running or 0), max_concurrent)
         return None
     floor = session.execute(sa.select(sa.func.max(JobMetric.step)).where(JobMetric.job_id == job_id)).scalar()
     return Lease(
@@ -188,6 +230,29 @@ def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float
         queue=str(row[1]), spec=dict(row[2]), max_restarts=int(row[3]),
         latest_checkpoint_step=None if row[4] is None else int(row[4]),
     )
+
+
+def defer_claim(session: Session, job_id: str, *, running: int, limit: int, now: datetime | None = None) -> bool:
+    """Leave a quota-limited job queued with no broker message, so the reaper re-sends it on a later
+    pass (no busy loop; its place in the queue is kept). The first deferral records an event and sets
+    `phase = "waiting_for_quota"`. Returns False if the job is no longer queued."""
+    now = now or utcnow()
+    first = session.execute(
+        sa.update(Job).where(Job.id == job_id, Job.status == states.QUEUED,
+                             sa.or_(Job.phase.is_(None), Job.phase != QUOTA_WAIT))
+        .values(phase=QUOTA_WAIT, celery_task_id=None, updated_at=now)
+        .returning(Job.attempt).execution_options(synchronize_session=False)
+    ).first()
+    if first is not None:
+        add_job_event(session, job_id, kind="waiting", attempt=int(first[0]), phase=QUOTA_WAIT, now=now,
+                      message=f"waiting: the owner already runs {running} job(s) (max_concurrent_jobs={limit})",
+                      data={"running": running, "max_concurrent_jobs": limit})
+        return True
+    res = session.execute(
+        sa.update(Job).where(Job.id == job_id, Job.status == states.QUEUED)
+        .values(celery_task_id=None, updated_at=Job.updated_at).execution_options(synchronize_session=False)
+    )
+    return bool(getattr(res, "rowcount", 0))
 
 
 def dataset_files(session: Session, job_id: str, dataset_ids: list[str]) -> dict[str, str]:
@@ -286,6 +351,8 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
         ])
     for ck in batch.checkpoints:
         _upsert_checkpoint(session, lease, ck, now)
+    for cm in batch.checkpoint_metrics:
+        _merge_checkpoint_metrics(session, jid, int(cm["step"]), cm.get("metrics") or {})
     if batch.missing_checkpoint_steps:
         session.execute(
             sa.update(Checkpoint)
@@ -294,6 +361,19 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
             .execution_options(synchronize_session=False)
         )
     return seqs
+
+
+def _merge_checkpoint_metrics(session: Session, job_id: str, step: int, metrics: dict[str, Any]) -> None:
+    """Add `metrics` to an existing checkpoint's metrics (a later measurement wins); no row, no-op."""
+    current = session.execute(
+        sa.select(Checkpoint.metrics).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+    ).first()
+    if current is None or not metrics:
+        return
+    session.execute(
+        sa.update(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+        .values(metrics={**(current[0] or {}), **metrics}).execution_options(synchronize_session=False)
+    )
 
 
 def _upsert_checkpoint(session: Session, lease: Lease, ck: dict[str, Any], now: datetime) -> None:

@@ -26,6 +26,8 @@ __all__ = [
     "JobMetric",
     "Owner",
     "UTCDateTime",
+    "WebhookDelivery",
+    "WebhookEndpoint",
     "new_id",
     "utcnow",
 ]
@@ -157,6 +159,7 @@ class Job(Base):
     event_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
     metric_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
     log_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    webhook_seq: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")  # events fanned out
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     queued_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -248,4 +251,45 @@ class Dataset(Base):
     format: Mapped[str] = mapped_column(sa.String(32), default="unknown")
     status: Mapped[str] = mapped_column(sa.String(16), default="validating")
     report: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookEndpoint(Base):
+    """An owner's webhook receiver: URL, subscribed event types and the signing secret (`whsec_...`)."""
+
+    __tablename__ = "webhook_endpoint"
+    __table_args__ = (sa.Index("ix_webhook_endpoint_owner_id_id", "owner_id", "id"),)
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("wh"))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(sa.String(2048))
+    description: Mapped[str] = mapped_column(sa.String(500), default="")
+    events: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    secret: Mapped[str] = mapped_column(sa.String(100))
+    start_event_id: Mapped[int] = mapped_column(sa.Integer, default=0)  # job events up to this id predate it
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One message to one endpoint (`id` is the Standard Webhooks `webhook-id`), with its retry state."""
+
+    __tablename__ = "webhook_delivery"
+    __table_args__ = (
+        sa.UniqueConstraint("endpoint_id", "event_id", "event_type", name="uq_webhook_delivery_endpoint_event"),
+        sa.Index("ix_webhook_delivery_status_next_attempt_at", "status", "next_attempt_at"),
+        sa.Index("ix_webhook_delivery_endpoint_id_id", "endpoint_id", "id"),
+    )
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("msg"))
+    endpoint_id: Mapped[str] = mapped_column(sa.ForeignKey("webhook_endpoint.id", ondelete="CASCADE"))
+    event_type: Mapped[str] = mapped_column(sa.String(64))
+    event_id: Mapped[int | None] = mapped_column(sa.Integer, default=None)  # job_event.id (None: test message)
+    job_id: Mapped[str | None] = mapped_column(sa.String(40), default=None)
+    payload: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    status: Mapped[str] = mapped_column(sa.String(16), default="pending")  # pending | succeeded | failed
+    attempts: Mapped[int] = mapped_column(sa.Integer, default=0)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_attempt_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_status_code: Mapped[int | None] = mapped_column(sa.Integer, default=None)
+    last_error: Mapped[str | None] = mapped_column(sa.Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

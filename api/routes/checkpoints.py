@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
@@ -56,6 +56,10 @@ def _ckpt(session: Any, job: Job, step: int) -> Checkpoint:
     if ck is None:
         raise ApiError(404, "not_found", f"job {job.id} has no complete checkpoint at step {step}", param="/step")
     return ck
+
+
+#: Checkpoint files only a resumed training run reads; the archive leaves them out unless asked.
+TRAINING_ONLY_FILES = frozenset({"training_state.pt"})
 
 
 def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:
@@ -154,13 +158,18 @@ def build_archive(src: Path, files: list[dict[str, Any]], dest: Path, top: str) 
 
 
 @router.get("/{job_id}/checkpoints/{step}/archive", operation_id="checkpoints-archive",
-            summary="The whole checkpoint as a deterministic tar (cached, Range-capable)",
+            summary="The checkpoint as a deterministic tar of what vLLM loads (cached, Range-capable)",
             response_class=FileResponse, responses=_DOWNLOAD_RESPONSES)
 @releases_db
-def download_archive(job_id: str, step: Step, state: State, session: DB, principal: TokenReader) -> Any:
+def download_archive(
+    job_id: str, step: Step, state: State, session: DB, principal: TokenReader,
+    training_state: Annotated[bool, Query(
+        description="Also include training_state.pt (optimizer and RNG state, only needed to resume training; "
+                    "several times the size of the weights).")] = False,
+) -> Any:
     job = load_job(session, principal, job_id)
     ck = _ckpt(session, job, step)
-    files = list(ck.files or [])
+    files = [f for f in ck.files or [] if training_state or f.get("path") not in TRAINING_ONLY_FILES]
     key = hashlib.sha256(json.dumps([job.id, step, files], sort_keys=True).encode()).hexdigest()[:16]
     dest = state.settings.home.resolve() / "cache" / "archives" / job.id / f"step_{step:06d}-{key}.tar"
     src = _ckpt_dir(state.settings, job, ck)

@@ -17,8 +17,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.db import repo, states
-from api.db.models import Dataset, Job, utcnow
-from api.deps import DB, AppState, Reader, State, Writer, json_ok, jsonable, releases_db
+from api.db.models import Dataset, Job, JobEvent, new_id, utcnow
+from api.deps import DB, AppState, ReadDB, Reader, State, Writer, json_ok, jsonable, releases_db
 from api.errors import ApiError, spec_error
 from api.estimate import estimate
 from api.schemas import CloneRequest, Estimate, JobCreate, JobOut, JobPage
@@ -93,8 +93,8 @@ def _body_hash(body: JobCreate) -> str:
 
 
 def _check_quota(state: AppState, session: Session, owner_id: int) -> None:
-    counts = repo.owner_counts(session, owner_id)
     s = state.settings
+    counts = repo.owner_counts(session, owner_id, cap=s.max_queued_jobs + s.max_concurrent_jobs)
     queued = counts.get(states.QUEUED, 0)
     if queued >= s.max_queued_jobs:
         raise ApiError(429, "quota_exceeded", f"{queued} jobs already queued (limit {s.max_queued_jobs})",
@@ -128,29 +128,39 @@ def submit(state: AppState, session: Session, principal: repo.Principal, spec: T
     """Insert a queued job, commit, and hand it to the worker queue."""
     _check_quota(state, session, principal.owner_id)
     now = utcnow()
-    job = Job(
-        owner_id=principal.owner_id, name=(name or spec.name or "").replace("\x00", "")[:200],
+    # Every column is set here (id, seqs, task id), so the row, its first event and the stored idempotent
+    # answer are two plain INSERTs (Core: no unit-of-work bookkeeping, no UPDATE round trips).
+    values: dict[str, Any] = dict(
+        id=new_id("job"), owner_id=principal.owner_id, name=(name or spec.name or "").replace("\x00", "")[:200],
         tags=tags or list(spec.tags),
-        spec=spec.model_dump(mode="json"), status=states.QUEUED, progress={}, attempt=0,
-        max_restarts=spec.resources.max_restarts, queue=queue or state.settings.worker_queue,
-        created_at=now, queued_at=now, updated_at=now,
+        spec=spec.model_dump(mode="json"), status=states.QUEUED, phase=None, desired_state=None, progress={},
+        attempt=0, max_restarts=spec.resources.max_restarts, queue=queue or state.settings.worker_queue,
+        created_at=now, queued_at=now, updated_at=now, started_at=None, finished_at=None,
+        error_code=None, error_message=None, error_retryable=None, resolved_spec=None, provenance=None,
+        best_checkpoint_step=None, latest_checkpoint_step=None, event_seq=1, metric_seq=0, log_seq=0,
+        webhook_seq=0, celery_task_id=str(uuid.uuid4()),  # chosen before sending: one commit, then the broker
         idempotency_key=idem[0] if idem else None, body_hash=idem[1] if idem else None,
+        idempotency_response=None,
     )
-    job.celery_task_id = str(uuid.uuid4())  # chosen before sending: one commit, then the broker
-    session.add(job)
-    session.flush()
-    repo.add_job_event(session, job, "state", "job queued", data={"status": states.QUEUED})
     if idem:
-        job.idempotency_response = jsonable(job_out(job))
+        values["idempotency_response"] = jsonable(job_out(values))
+    session.execute(sa.insert(Job), [values])
+    session.execute(sa.insert(JobEvent), [{"job_id": values["id"], "seq": 1, "time": now, "attempt": 0,
+                                           "kind": "state", "phase": None, "message": "job queued",
+                                           "data": {"status": states.QUEUED}}])
     session.commit()
+    job = Job(**values)  # transient: what the caller answers with
     try:
         state.producer.send_train(job.id, job.queue, job.celery_task_id)
     except Exception as exc:
         log.exception("queueing %s failed", job.id)
-        job.status, job.error_code, job.error_message = states.FAILED, "queue_unavailable", str(exc)
-        job.finished_at = job.updated_at = utcnow()
-        job.idempotency_response = None
+        failed = {"status": states.FAILED, "error_code": "queue_unavailable", "error_message": str(exc),
+                  "finished_at": utcnow(), "idempotency_response": None}
+        failed["updated_at"] = failed["finished_at"]
+        session.execute(sa.update(Job).where(Job.id == job.id).values(**failed))
         session.commit()
+        for k, v in failed.items():
+            setattr(job, k, v)
         raise ApiError(503, "queue_unavailable", f"could not queue the job: {exc}",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return job
@@ -210,7 +220,7 @@ def _replay(existing: Job, body_hash: str) -> Any:
 @router.get("", response_model=JobPage, operation_id="jobs-list", summary="List jobs (newest first)")
 @releases_db
 def list_jobs(
-    session: DB, principal: Reader,
+    session: ReadDB, principal: Reader,
     after: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_]*$",
                                        description="Cursor: next_after of the previous page.")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
@@ -242,7 +252,7 @@ def load_job(session: Session, principal: repo.Principal, job_id: str, *, lock: 
 
 @router.get("/{job_id}", response_model=JobOut, operation_id="jobs-get", summary="Get one job")
 @releases_db
-def get_job(job_id: str, session: DB, principal: Reader) -> Any:
+def get_job(job_id: str, session: ReadDB, principal: Reader) -> Any:
     """Status, phase, progress, attempt, error, best/latest checkpoint, resolved spec, provenance."""
     job = load_job(session, principal, job_id)
     out = job_out(job)

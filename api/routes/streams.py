@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.db import repo
-from api.deps import DB, Reader, TokenReader, json_ok, releases_db
+from api.deps import ReadDB, Reader, TokenReader, json_ok, releases_db
 from api.routes.jobs import load_job
 from api.schemas import EventPage, LogPage, MetricPage
 
@@ -51,7 +51,7 @@ def _page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 @router.get("/{job_id}/events", response_model=EventPage, operation_id="jobs-events",
             summary="Job events (phases, checkpoints, evals, state changes), ascending by seq")
 @releases_db
-def list_events(job_id: str, session: DB, principal: Reader,
+def list_events(job_id: str, session: ReadDB, principal: Reader,
                 after: Annotated[int, Query(ge=0, le=2**31)] = 0,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Any:
     load_job(session, principal, job_id)
@@ -62,7 +62,7 @@ def list_events(job_id: str, session: DB, principal: Reader,
 @router.get("/{job_id}/logs", response_model=LogPage, operation_id="jobs-logs",
             summary="Job log lines, ascending by seq (or the last `tail` lines)")
 @releases_db
-def list_logs(job_id: str, session: DB, principal: Reader,
+def list_logs(job_id: str, session: ReadDB, principal: Reader,
               after: Annotated[int, Query(ge=0, le=2**31)] = 0,
               limit: Annotated[int, Query(ge=1, le=5000)] = 500,
               tail: Annotated[int | None, Query(ge=1, le=5000, description="Last N lines instead.")] = None) -> Any:
@@ -104,7 +104,7 @@ def downsample(points: list[dict[str, Any]], max_points: int, key: str | None) -
 @router.get("/{job_id}/metrics", response_model=MetricPage, operation_id="jobs-metrics",
             summary="Metric history with key selection, step range and server-side downsampling")
 @releases_db
-def list_metrics(job_id: str, session: DB, principal: Reader,
+def list_metrics(job_id: str, session: ReadDB, principal: Reader,
                  keys: Annotated[str | None, Query(max_length=2000, description="Comma-separated keys.")] = None,
                  step_from: Annotated[int | None, Query(ge=0, le=2**31)] = None,
                  step_to: Annotated[int | None, Query(ge=0, le=2**31)] = None,
@@ -161,7 +161,7 @@ def thin_outline(outline: list[tuple[int, float | None]], max_points: int) -> li
     return sorted(set(kept) | set(sparse))[: max(max_points, len(sparse))]
 
 
-def _stream_job(job_id: str, session: DB, principal: TokenReader) -> str:
+def _stream_job(job_id: str, session: ReadDB, principal: TokenReader) -> str:
     load_job(session, principal, job_id)
     session.close()  # release the connection: a stream may stay open for hours
     return job_id

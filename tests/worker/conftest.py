@@ -95,6 +95,17 @@ class Stack:
         return self._spawn(["-m", "worker", "--queue", self.queue, "--no-reaper",
                             "--hostname", f"w{len(self.procs)}-{self.queue}@localhost"], "worker", env)
 
+    def wait_workers_ready(self, count: int, timeout: float = 60.0) -> None:
+        """Block until `count` worker logs say Celery is consuming (`... ready.`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = sum(" ready." in p.read_text(errors="replace") for p in self.tmp.glob("worker-*.log"))
+            if ready >= count:
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"only {ready} of {count} workers became ready\n{self.logs()}")
+            time.sleep(0.1)
+
     def start_reaper(self) -> subprocess.Popen[Any]:
         """The reaper loop (`python -m worker.reaper`), passes every 0.5 s."""
         return self._spawn(["-m", "worker.reaper", "--interval", "0.5"], "reaper")

@@ -1,0 +1,248 @@
+"""Webhooks in the database: endpoints, fan-out of job events to deliveries, retry state, signing.
+
+Deliveries are derived from the job event log. Each job row carries `webhook_seq`, the last of its
+events already fanned out; `fan_out` turns the events after it into `webhook_delivery` rows for the
+owner's subscribed endpoints and advances the cursor with a conditional UPDATE, in one transaction.
+Within one job, events are committed in `seq` order (their seq is reserved by an UPDATE of the job row,
+which serialises writers), so a per-job cursor never skips an event. Endpoints only get events newer
+than themselves (`start_event_id`). Several dispatchers may run at once: the cursor UPDATE and the
+unique `(endpoint_id, event_id, event_type)` make the fan-out happen once, and a delivery is claimed
+by moving its `next_attempt_at` forward conditionally before it is sent.
+
+Signing follows Standard Webhooks (https://www.standardwebhooks.com): headers `webhook-id`,
+`webhook-timestamp` (unix seconds) and `webhook-signature: v1,<base64 HMAC-SHA256 of
+"{id}.{timestamp}.{body}">`, keyed by the base64-decoded part of the `whsec_...` secret.
+
+No FastAPI and no HTTP client here (the worker's dispatcher does the sending).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.db import states
+from api.db.models import Job, JobEvent, WebhookDelivery, WebhookEndpoint, new_id, utcnow
+
+__all__ = [
+    "EVENT_TYPES",
+    "Claimed",
+    "claim_due",
+    "delivery_out",
+    "endpoint_out",
+    "event_types_for",
+    "fan_out",
+    "new_secret",
+    "record_attempt",
+    "retry_delay",
+    "sign",
+]
+
+#: Event types an endpoint can subscribe to.
+EVENT_TYPES = {
+    "job.status_changed": "Every status change (queued, running, pausing, paused, cancelling, ...).",
+    "job.succeeded": "The job finished successfully.",
+    "job.failed": "The job failed (error code and message included).",
+    "job.cancelled": "The job was cancelled.",
+    "job.checkpoint_saved": "A complete checkpoint was saved (step, best flag, metrics, URL).",
+}
+TEST_EVENT = "webhook.test"
+PENDING, SUCCEEDED, FAILED = "pending", "succeeded", "failed"
+_TERMINAL_TYPE = {states.SUCCEEDED: "job.succeeded", states.FAILED: "job.failed",
+                  states.CANCELLED: "job.cancelled"}
+
+
+def new_secret() -> str:
+    """A fresh signing secret: `whsec_` + base64 of 24 random bytes."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The `webhook-signature` header value (`v1,<base64 HMAC-SHA256>`) of one message."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(mac).decode()
+
+
+def retry_delay(attempts: int, base: float, cap: float = 3600.0) -> float:
+    """Seconds before attempt `attempts + 1`: base, 4*base, 16*base, ... capped at `cap`."""
+    return float(min(cap, base * 4 ** max(0, attempts - 1)))
+
+
+def _iso(t: datetime | None) -> str | None:
+    return None if t is None else t.isoformat().replace("+00:00", "Z")
+
+
+def event_types_for(ev: JobEvent) -> list[tuple[str, dict[str, Any]]]:
+    """The webhook (type, data) pairs one job event gives (none for most progress events)."""
+    data = ev.data or {}
+    status = data.get("status") if isinstance(data.get("status"), str) else None
+    if status is None and ev.kind == "started":
+        status = states.RUNNING
+    out: list[tuple[str, dict[str, Any]]] = []
+    if status is not None:
+        body: dict[str, Any] = {"status": status, "message": ev.message}
+        if isinstance(data.get("previous"), str):
+            body["previous"] = data["previous"]
+        out.append(("job.status_changed", body))
+        if status in _TERMINAL_TYPE:
+            out.append((_TERMINAL_TYPE[status], dict(body)))
+    if ev.kind == "checkpoint" and isinstance(data.get("step"), int):
+        step = int(data["step"])
+        out.append(("job.checkpoint_saved", {
+            "step": step, "is_best": bool(data.get("is_best")),
+            "metrics": data.get("metrics") if isinstance(data.get("metrics"), dict) else {},
+            "url": f"/v1/jobs/{ev.job_id}/checkpoints/{step}", "message": ev.message}))
+    return out
+
+
+def fan_out(session: Session, *, limit: int = 200) -> int:
+    """Turn new job events into deliveries (one transaction per job); returns deliveries created.
+
+    Commits itself (one job at a time) so a conflict with another dispatcher only rolls back that job.
+    """
+    owners = sa.select(WebhookEndpoint.owner_id).distinct()
+    jobs = session.execute(
+        sa.select(Job.id, Job.owner_id, Job.webhook_seq, Job.event_seq)
+        .where(Job.event_seq > Job.webhook_seq, Job.owner_id.in_(owners)).limit(limit)
+    ).all()
+    session.rollback()
+    created = 0
+    for job_id, owner_id, done, last in jobs:
+        try:
+            created += _fan_out_job(session, str(job_id), int(owner_id), int(done), int(last))
+            session.commit()
+        except IntegrityError:
+            session.rollback()  # another dispatcher fanned these events out first
+    return created
+
+
+def _fan_out_job(session: Session, job_id: str, owner_id: int, done: int, last: int) -> int:
+    endpoints = session.execute(sa.select(WebhookEndpoint).where(WebhookEndpoint.owner_id == owner_id)).scalars().all()
+    oldest = min((ep.start_event_id for ep in endpoints), default=None)
+    events = [] if oldest is None else session.execute(
+        sa.select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > done, JobEvent.seq <= last,
+                                  JobEvent.id > oldest)  # a new endpoint's catch-up skips old events cheaply
+        .order_by(JobEvent.seq)
+    ).scalars().all()
+    now = utcnow()
+    rows = []
+    for ev in events:
+        for etype, data in event_types_for(ev):
+            for ep in endpoints:
+                if etype not in (ep.events or []) or ev.id <= ep.start_event_id:
+                    continue
+                payload = {"type": etype, "timestamp": _iso(ev.time or now),
+                           "data": {"job_id": job_id, "event_seq": ev.seq, "attempt": ev.attempt, **data}}
+                rows.append({"id": new_id("msg"), "endpoint_id": ep.id, "event_type": etype, "event_id": ev.id,
+                             "job_id": job_id, "payload": payload, "status": PENDING, "attempts": 0,
+                             "next_attempt_at": now, "created_at": now})
+    moved = session.execute(
+        sa.update(Job).where(Job.id == job_id, Job.webhook_seq == done)
+        .values(webhook_seq=last, updated_at=Job.updated_at)  # not a change of the job: keep updated_at
+        .execution_options(synchronize_session=False)
+    )
+    if not getattr(moved, "rowcount", 0):
+        session.rollback()
+        return 0
+    if rows:
+        session.execute(sa.insert(WebhookDelivery), rows)
+    return len(rows)
+
+
+def add_test_delivery(session: Session, endpoint: WebhookEndpoint) -> WebhookDelivery:
+    """A `webhook.test` message to `endpoint`, due now."""
+    now = utcnow()
+    row = WebhookDelivery(endpoint_id=endpoint.id, event_type=TEST_EVENT, event_id=None, job_id=None,
+                          payload={"type": TEST_EVENT, "timestamp": _iso(now),
+                                   "data": {"webhook_id": endpoint.id, "message": "test message"}},
+                          status=PENDING, attempts=0, next_attempt_at=now, created_at=now)
+    session.add(row)
+    session.flush()
+    return row
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A delivery this dispatcher may send now."""
+
+    id: str
+    url: str
+    secret: str
+    payload: dict[str, Any]
+    attempts: int
+
+
+def claim_due(session: Session, *, hold_seconds: float, limit: int = 32, now: datetime | None = None
+              ) -> list[Claimed]:
+    """Claim pending deliveries that are due (their `next_attempt_at` moves `hold_seconds` ahead, so a
+    dispatcher that dies mid-send leaves them to be retried). Commits."""
+    now = now or utcnow()
+    rows = session.execute(
+        sa.select(WebhookDelivery.id, WebhookDelivery.next_attempt_at, WebhookDelivery.attempts,
+                  WebhookDelivery.payload, WebhookEndpoint.url, WebhookEndpoint.secret)
+        .join(WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
+        .where(WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= now)
+        .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id).limit(limit)
+    ).all()
+    out = []
+    for msg_id, due, attempts, payload, url, secret in rows:
+        res = session.execute(
+            sa.update(WebhookDelivery)
+            .where(WebhookDelivery.id == msg_id, WebhookDelivery.status == PENDING,
+                   WebhookDelivery.next_attempt_at == due)
+            .values(next_attempt_at=now + timedelta(seconds=hold_seconds))
+            .execution_options(synchronize_session=False)
+        )
+        if getattr(res, "rowcount", 0):
+            out.append(Claimed(str(msg_id), str(url), str(secret), dict(payload), int(attempts)))
+    session.commit()
+    return out
+
+
+def record_attempt(session: Session, msg_id: str, *, ok: bool, status_code: int | None, error: str | None,
+                   max_attempts: int, retry_base: float, now: datetime | None = None) -> str:
+    """Store one attempt's outcome; schedules the next (exponential back-off) or gives up. Returns the status."""
+    now = now or utcnow()
+    attempts = int(session.scalar(sa.select(WebhookDelivery.attempts).where(WebhookDelivery.id == msg_id)) or 0) + 1
+    if ok:
+        status, nxt = SUCCEEDED, None
+    elif attempts >= max_attempts:
+        status, nxt = FAILED, None
+    else:
+        status, nxt = PENDING, now + timedelta(seconds=retry_delay(attempts, retry_base))
+    session.execute(
+        sa.update(WebhookDelivery).where(WebhookDelivery.id == msg_id)
+        .values(status=status, attempts=attempts, next_attempt_at=nxt, last_attempt_at=now,
+                last_status_code=status_code, last_error=None if ok else (error or "")[:1000])
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return status
+
+
+def endpoint_out(ep: WebhookEndpoint, *, secret: bool = False) -> dict[str, Any]:
+    """Public form of an endpoint (the secret only when just created)."""
+    out: dict[str, Any] = {"id": ep.id, "object": "webhook_endpoint", "url": ep.url, "events": list(ep.events or []),
+                           "description": ep.description, "created_at": ep.created_at}
+    if secret:
+        out["secret"] = ep.secret
+    return out
+
+
+def delivery_out(d: WebhookDelivery) -> dict[str, Any]:
+    """Public form of a delivery."""
+    return {"id": d.id, "object": "webhook_delivery", "endpoint_id": d.endpoint_id, "event_type": d.event_type,
+            "job_id": d.job_id, "payload": d.payload, "status": d.status, "attempts": d.attempts,
+            "next_attempt_at": d.next_attempt_at if d.status == PENDING else None,
+            "last_attempt_at": d.last_attempt_at, "last_status_code": d.last_status_code,
+            "last_error": d.last_error, "created_at": d.created_at}
