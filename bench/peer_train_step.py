@@ -7,7 +7,8 @@ config dict, `draft_vocab_size`, `num_depths`, r, r_min and `mask_token_id`. The
 `draft_attn_impl="sdpa"` and the eager KL; the verifier lm_head / norm and the draft lm_head and
 embeddings get random weights (speculators starts them as NaN and would load them from the verifier).
 One step = forward (COD, mask, layers, loss) + backward + grad clip + AdamW step, the speculators
-trainer's step. Prints one JSON line: {"step_seconds": [...], "flat_elements": [...]}.
+trainer's step. Prints one JSON line: {"step_seconds": [...], "step_cpu_seconds": [...] (process CPU
+time), "supervised_elements": [...], "trainable_params": n}.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def main() -> None:
     loss_config = resolve_loss_config("kl_div", "eager")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    times, flat = [], []
+    times, cpu_times, flat = [], [], []
     for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _, loss, metrics = model(
             hidden_states=hidden,
             input_ids=data["input_ids"],
@@ -86,8 +87,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             flat.append(int(sum(float(metrics[f"position_{d}_acc_total"]) for d in range(data["num_depths"]))))
-    print(json.dumps({"step_seconds": times, "supervised_elements": flat,
+    print(json.dumps({"step_seconds": times, "step_cpu_seconds": cpu_times, "supervised_elements": flat,
                       "trainable_params": sum(p.numel() for p in params)}))
 
 

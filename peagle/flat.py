@@ -14,6 +14,7 @@ The trainer's contract, per micro-batch (B rows) and step::
         #              position_ids = sub.ref_pos; target rows z'[sub.ref_pos]
         sel  = sub.weight > 0                                 # lm_head + KL only for charged elements
         loss_sum, metrics = cod_loss_sums(draft_logits[sel], target[sel], sub.weight[sel], sub.depth[sel], K)
+                                                              # (trainer: lm_head + KL fused, `head_loss_sums`)
         (loss_sum / den).backward()                           # summed over segments == flat loss
 
 Worked example (T=8 all supervised, K=4, r=r_min=1, peagle.md 1.12): the row has N=26 elements,

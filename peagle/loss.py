@@ -14,10 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "kl_per_position", "tau_sim"]
+__all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "tau_sim"]
 
 LOSS_EPS = 1e-5
 """Lower clamp of the count denominator (an all-unsupervised micro-batch gives loss 0, not NaN)."""
+
+HEAD_CHUNK_BYTES = 8 << 20
+"""Bytes of one `[c, Vd]` fp32 row chunk of the fused lm_head + KL (`head_loss_sums`): a few such
+buffers stay in cache, and no `[M, Vd]` tensor is ever allocated."""
 
 
 class _FusedKL(torch.autograd.Function):
@@ -69,6 +73,141 @@ def kl_per_position(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
     p = log_p.exp()  # [*, Vd]
     terms = p * (log_p - log_q)  # [*, Vd]; NaN where p = 0 and log_p = -inf
     return torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
+
+
+def _head_chunk_rows(vocab: int) -> int:
+    return max(16, min(1024, HEAD_CHUNK_BYTES // (4 * max(vocab, 1))))
+
+
+def _head_chunk(
+    x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, start: int, stop: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Logits, log q, p and KL of rows `start:stop`: `[c, Vd]` x3 and `[c]` (see `kl_per_position`)."""
+    logits = F.linear(x[start:stop], head)  # [c, Vd] (bf16 under autocast)
+    z = target[start:stop] if index is None else target.index_select(0, index[start:stop])  # [c, Vd]
+    dtype = torch.promote_types(torch.promote_types(logits.dtype, z.dtype), torch.float32)
+    log_q = F.log_softmax(logits.to(dtype), dim=-1)  # [c, Vd]
+    log_p = F.log_softmax(z.to(dtype), dim=-1)  # [c, Vd]
+    p = log_p.exp()  # [c, Vd]
+    # p = 0 terms contribute 0: clamping log p to the finite minimum turns 0 * (-inf) into 0 * finite
+    kl = (p * log_p.clamp_min_(torch.finfo(dtype).min).sub_(log_q)).sum(-1)  # [c]
+    hit = logits.argmax(-1) == z.argmax(-1)  # [c]
+    return log_q, p, kl, hit
+
+
+class _FusedHeadKL(torch.autograd.Function):
+    """`sum_r w_r KL(softmax(z_r) || softmax(x_r W^T))` over row chunks, gradients computed in forward.
+
+    The loss is linear in its single scalar output, so d loss / d x and d loss / d W are computed chunk by
+    chunk during forward (`(q - p) * w` never exceeds one `[c, Vd]` chunk) and only scaled in backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, weight: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        m = x.shape[0]
+        step = _head_chunk_rows(head.shape[0])
+        grad_x = torch.empty_like(x) if want_x else None  # [M, H]
+        acc = torch.promote_types(head.dtype, torch.float32)  # fp32 accumulation of bf16 chunk products
+        grad_w = torch.zeros(head.shape, dtype=acc, device=head.device) if want_w else None  # [Vd, H]
+        kls, hits = [], []
+        for start in range(0, m, step):
+            stop = min(start + step, m)
+            log_q, p, kl, hit = _head_chunk(x, head, target, index, start, stop)
+            kls.append(kl)
+            hits.append(hit)
+            if want_x or want_w:
+                w = weight[start:stop].to(log_q.dtype)[:, None]  # [c, 1]
+                g = log_q.exp_().sub_(p).mul_(w)  # [c, Vd] d loss / d logits, over log_q
+                del p
+                cdt = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.get_autocast_dtype(
+                    x.device.type
+                )
+                g = g.to(cdt)
+                if grad_x is not None:
+                    grad_x[start:stop] = (g @ head.to(cdt)).to(x.dtype)  # [c, H]
+                if grad_w is not None:
+                    grad_w.add_(g.t() @ x[start:stop].to(cdt))  # [Vd, H]
+        kl_all = torch.cat(kls) if kls else x.new_zeros(0, dtype=torch.float32)  # [M]
+        loss_sum = (weight.to(kl_all.dtype) * kl_all).sum()
+        hit_all = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=x.device)
+        ctx.mark_non_differentiable(hit_all)
+        ctx.save_for_backward(
+            grad_x if grad_x is not None else x.new_empty(0),
+            grad_w.to(head.dtype) if grad_w is not None else head.new_empty(0),
+        )
+        ctx.has = (want_x, want_w)
+        return loss_sum, hit_all
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_hit: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_x, grad_w = ctx.saved_tensors
+        want_x, want_w = ctx.has
+        return (
+            grad_x * grad_loss.to(grad_x.dtype) if want_x else None,
+            grad_w * grad_loss.to(grad_w.dtype) if want_w else None,
+            None,
+            None,
+            None,
+        )
+
+
+def head_loss_sums(
+    x: Tensor,
+    head: Tensor,
+    target: Tensor,
+    target_index: Tensor | None,
+    weight: Tensor,
+    depth: Tensor,
+    num_depths: int,
+) -> tuple[Tensor, CodMetrics]:
+    """`cod_loss_sums(x @ head.T, target[target_index], ...)` fused with the lm_head, in row chunks.
+
+    Same values as `cod_loss_sums` on the materialised logits, but no `[M, Vd]` tensor is allocated:
+    rows go through the lm_head, both log-softmaxes and the KL a chunk at a time (`HEAD_CHUNK_BYTES`),
+    and when grad is needed the gradients w.r.t. `x` and `head` are accumulated in the same pass (the
+    loss is a sum, so backward only scales them). Under autocast the matmuls run in the autocast dtype
+    and the softmax / KL in fp32, as in the unfused path.
+
+    Args:
+        x: `[M, H]` normalised final hidden states of the charged elements.
+        head: `[Vd, H]` lm_head weight.
+        target: `[M, Vd]` target logits, or `[T, Vd]` rows picked by `target_index`.
+        target_index: `[M]` int64 row of `target` of each element, or None (`target` is `[M, Vd]`).
+        weight: `[M]` supervision weights.
+        depth: `[M]` int64 depths in `[0, num_depths)`.
+        num_depths: K.
+
+    Returns:
+        `(loss_sum, metrics)` as `cod_loss_sums`.
+    """
+    want = torch.is_grad_enabled() and (x.requires_grad or head.requires_grad)
+    if want:
+        loss_sum, hit = _FusedHeadKL.apply(x, head, target, target_index, weight)
+    else:
+        with torch.no_grad():
+            loss_sum, hit = _FusedHeadKL.forward(_NoCtx(), x, head, target, target_index, weight)
+    with torch.no_grad():
+        w = weight.double()
+        dep = depth.long().to(w.device)
+        acc_sum = torch.zeros(num_depths, dtype=torch.float64, device=w.device).index_add_(0, dep, hit.double() * w)
+        acc_total = torch.zeros(num_depths, dtype=torch.float64, device=w.device).index_add_(0, dep, w)
+        metrics = CodMetrics(loss_sum.detach().double(), acc_sum, acc_total)
+    return loss_sum, metrics
+
+
+class _NoCtx:
+    """Stand-in autograd context for a forward-only call of `_FusedHeadKL.forward`."""
+
+    needs_input_grad = (False, False, False, False, False)
+
+    def mark_non_differentiable(self, *args: Tensor) -> None:
+        pass
+
+    def save_for_backward(self, *args: Tensor) -> None:
+        pass
 
 
 def tau_sim(acc: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ from peagle.train.checkpoint import (
     step_dirname,
 )
 from peagle.train.ddp import DistContext, wrap_ddp
-from peagle.train.optim import build_optimizer, build_scheduler, total_steps
+from peagle.train.optim import build_optimizer, build_scheduler, total_steps, zero_grads
 from peagle.train.progress import NullSink, ProgressSink
 from peagle.train.signals import GracefulShutdown
 from peagle.train.step import (
@@ -219,7 +219,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        zero_grads(self.optimizer, keep=[self.draft.embed_tokens.weight])
         times.optimizer = time.perf_counter() - t0
         self.step += 1
         vec = torch.cat([sums.stacked().cpu(), torch.tensor([float(tokens)], dtype=torch.float64)])

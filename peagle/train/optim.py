@@ -14,7 +14,7 @@ from torch import nn
 
 from peagle.spec import OptimSpec
 
-__all__ = ["LRSchedule", "build_optimizer", "build_scheduler", "total_steps"]
+__all__ = ["LRSchedule", "build_optimizer", "build_scheduler", "total_steps", "zero_grads"]
 
 
 def total_steps(optim: OptimSpec, num_batches: int) -> int:
@@ -42,6 +42,17 @@ def build_optimizer(model: nn.Module, optim: OptimSpec) -> torch.optim.AdamW:
     # The fused kernel (CPU and CUDA) is several times faster than the per-tensor loop; the step is
     # dominated by the [V, H] embedding's moments, which AdamW must update every step.
     return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=1e-8, fused=True)
+
+
+def zero_grads(optimizer: torch.optim.Optimizer, keep: list[torch.Tensor]) -> None:
+    """`optimizer.zero_grad(set_to_none=True)`, except that the parameters in `keep` keep their `.grad`
+    buffer, zeroed in place (the sparsely accumulated embedding gradient: re-allocating and faulting in
+    a fresh [V, H] buffer every step costs more than zeroing it; values and AdamW semantics are the same,
+    since those parameters get a gradient at every step anyway)."""
+    kept = [(p, p.grad) for p in keep if p.grad is not None and not p.grad.is_sparse]
+    optimizer.zero_grad(set_to_none=True)
+    for p, grad in kept:
+        p.grad = grad.zero_()
 
 
 @dataclass

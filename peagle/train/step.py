@@ -9,7 +9,12 @@ Per micro-batch (peagle.md 1.12, decisions 5 and 9):
    element is skipped; each remaining segment ("unit") runs one forward (through `DraftObjective`, the
    module DDP wraps) and one backward of `loss_sum * scale`. Gradients add up to those of the flat
    forward (S = 1 is the single flat forward);
-4. only the supervised elements of a unit go through the final norm, `lm_head` and the KL.
+4. only the supervised elements of a unit go through the final norm, `lm_head` and the KL, fused in row
+   chunks (`peagle.loss.head_loss_sums`: no [m, Vd] tensor).
+
+CPU (dense) attention: each unit's mask is built once as an additive float mask and cut into
+`QueryGroups` (block-sparse SDPA) before the forward, so no [n, n] mask stays alive during it. The
+embedding gradient is accumulated sparsely into a dense `.grad` (`sparse_embedding_grad`).
 
 Under DDP the backward is issued on the tensor returned by the DDP forward, `no_sync` covers every unit
 but the last one of the optimizer step, and a rank with nothing supervised runs one zero-valued
@@ -27,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from peagle.cod import sample_cod
-from peagle.draft import PEagleDraft
+from peagle.draft import PEagleDraft, group_queries
 from peagle.flat import (
     FlatRow,
     block_mask_for,
@@ -36,8 +41,8 @@ from peagle.flat import (
     plan_segments,
     segment_row,
 )
-from peagle.loss import CodMetrics, cod_loss_sums
-from peagle.mask import check_dense_fits
+from peagle.loss import CodMetrics, head_loss_sums
+from peagle.mask import additive_mask, check_dense_fits
 
 __all__ = [
     "EVAL_EPOCH",
@@ -48,6 +53,7 @@ __all__ = [
     "cod_generator",
     "plan_rows",
     "run_micro_batch",
+    "sparse_embedding_grad",
     "weight_sum",
 ]
 
@@ -91,8 +97,9 @@ class UnitInputs:
 
     Attributes:
         input_ids, is_masked, position_ids: [1, n]; aux: [1, n, 3H]; attn_mask: dense bool [n, n] or BlockMask;
-        sel: [m] int64 indices of the charged (supervised, owned) elements; target: [m, Vd];
-        weight: [m] float; depth: [m] int64.
+        sel: [m] int64 indices of the charged (supervised, owned) elements; target: [T, Vd] target
+        logits of the row (a view, not a copy); target_index: [m] int64 row of `target` of each
+        charged element; weight: [m] float; depth: [m] int64.
     """
 
     def __init__(self, **kw: Any) -> None:
@@ -105,6 +112,7 @@ class UnitInputs:
     attn_mask: Any
     sel: Tensor
     target: Tensor
+    target_index: Tensor
     weight: Tensor
     depth: Tensor
 
@@ -127,8 +135,12 @@ class DraftObjective(nn.Module):
         )
         with ctx:
             hidden = self.draft(unit.input_ids, unit.aux, unit.is_masked, unit.position_ids, unit.attn_mask)
-            logits = self.draft.compute_logits(hidden[0].index_select(0, unit.sel))  # [m, Vd]
-        return cod_loss_sums(logits, unit.target, unit.weight, unit.depth, self.num_depths)
+            x = self.draft.norm(hidden[0].index_select(0, unit.sel))  # [m, H]
+            # lm_head + KL fused in row chunks: no [m, Vd] logits / probability tensor is materialised
+            return head_loss_sums(
+                x, self.draft.lm_head.weight, unit.target, unit.target_index, unit.weight, unit.depth,
+                self.num_depths,
+            )
 
 
 def plan_rows(
@@ -177,7 +189,11 @@ def _unit_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[tu
 def _build_unit(batch: dict[str, Tensor], b: int, sub: FlatRow, settings: StepSettings) -> UnitInputs:
     if settings.attention == "sdpa":
         check_dense_fits(sub.num_elements)
-        mask: Any = mask_for(sub)  # [n, n] bool
+        # ONE additive float mask shared by every layer (and their backward): SDPA would otherwise turn
+        # the bool mask into a float copy per layer and keep each for backward
+        mask: Any = additive_mask(mask_for(sub), settings.autocast_dtype or torch.float32)  # [n, n]
+        # cut into query groups here, so the full [n, n] mask is freed before the forward
+        mask = group_queries(mask, sub.ref_pos) or mask
     else:
         mask = block_mask_for(sub)
     sel = torch.nonzero(sub.weight > 0).reshape(-1)  # [m]
@@ -189,7 +205,8 @@ def _build_unit(batch: dict[str, Tensor], b: int, sub: FlatRow, settings: StepSe
         position_ids=sub.ref_pos[None],
         attn_mask=mask,
         sel=sel,
-        target=batch["target_logits"][b].index_select(0, ref_sel),  # [m, Vd]
+        target=batch["target_logits"][b],  # [T, Vd]
+        target_index=ref_sel,
         weight=sub.weight.index_select(0, sel),
         depth=sub.depth.index_select(0, sel),
     )
@@ -209,9 +226,32 @@ def _dummy_unit(draft: PEagleDraft, device: torch.device, attention: str) -> Uni
         input_ids=pos, aux=torch.zeros(1, 1, 3 * cfg.hidden_size, device=device),
         is_masked=torch.zeros(1, 1, dtype=torch.bool, device=device), position_ids=pos, attn_mask=mask,
         sel=torch.zeros(1, dtype=torch.long, device=device),
-        target=torch.zeros(1, cfg.draft_vocab_size, device=device),
+        target=torch.zeros(1, cfg.draft_vocab_size, device=device), target_index=pos[0],
         weight=torch.zeros(1, device=device), depth=torch.zeros(1, dtype=torch.long, device=device),
     )
+
+
+@contextlib.contextmanager
+def sparse_embedding_grad(draft: PEagleDraft) -> Any:
+    """Accumulate the embedding gradient sparsely into a dense `.grad` for the duration.
+
+    Each backward then adds only the looked-up rows ([n, H]) into `embed_tokens.weight.grad` (allocated
+    here as zeros when missing) instead of building, zero-filling and adding a dense [V, H] gradient per
+    unit (113 MB at V = 49152, H = 576). The resulting `.grad` is the same dense tensor (rows summed in
+    another order), so clipping, AdamW and DDP see exactly what they saw before.
+    """
+    weight = draft.embed_tokens.weight
+    if not weight.requires_grad:
+        yield
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    previous = draft.sparse_embedding_grad
+    draft.sparse_embedding_grad = True
+    try:
+        yield
+    finally:
+        draft.sparse_embedding_grad = previous
 
 
 def _sync(device: torch.device) -> None:
@@ -255,31 +295,33 @@ def run_micro_batch(
     if backward and not units and sync:
         units = [None]  # zero backward keeps DDP's collectives aligned
     no_sync = getattr(objective, "no_sync", None)
-    for i, spec in enumerate(units):
-        unit = _dummy_unit(draft, device, settings.attention) if spec is None else _build_unit(
-            batch, spec[0], spec[1], settings
-        )
-        last = i == len(units) - 1
-        ctx = no_sync() if (no_sync is not None and backward and not (sync and last)) else contextlib.nullcontext()
-        with ctx:
-            t0 = time.perf_counter()
-            if backward:
-                loss_sum, m = objective(unit)
-            else:
-                with torch.no_grad():
+    grads = sparse_embedding_grad(draft) if backward else contextlib.nullcontext()
+    with grads:
+        for i, spec in enumerate(units):
+            unit = _dummy_unit(draft, device, settings.attention) if spec is None else _build_unit(
+                batch, spec[0], spec[1], settings
+            )
+            last = i == len(units) - 1
+            ctx = no_sync() if (no_sync is not None and backward and not (sync and last)) else contextlib.nullcontext()
+            with ctx:
+                t0 = time.perf_counter()
+                if backward:
                     loss_sum, m = objective(unit)
-            _sync(device)
-            t1 = time.perf_counter()
-            if backward:
-                (loss_sum * (0.0 if spec is None else scale)).backward()
+                else:
+                    with torch.no_grad():
+                        loss_sum, m = objective(unit)
                 _sync(device)
-            t2 = time.perf_counter()
-        if times is not None:
-            times.forward += t1 - t0
-            times.backward += t2 - t1
-        if spec is not None:
-            metrics = metrics + m
-        del unit
+                t1 = time.perf_counter()
+                if backward:
+                    (loss_sum * (0.0 if spec is None else scale)).backward()
+                    _sync(device)
+                t2 = time.perf_counter()
+            if times is not None:
+                times.forward += t1 - t0
+                times.backward += t2 - t1
+            if spec is not None:
+                metrics = metrics + m
+            del unit
     return metrics
 
 

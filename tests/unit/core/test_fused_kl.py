@@ -25,3 +25,41 @@ def test_fused_kl_matches_autograd_reference() -> None:
         tol = 1e-6 if dtype == torch.float32 else 1e-12
         assert torch.allclose(fused, ref, rtol=tol, atol=tol)
         assert torch.allclose(g_fused, d.grad, rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=tol)
+
+
+def test_fused_head_matches_materialised_logits(monkeypatch) -> None:
+    """lm_head + KL in row chunks == `cod_loss_sums` on the full logits: loss, metrics, both gradients."""
+    import peagle.loss as loss_mod
+    from peagle.loss import cod_loss_sums, head_loss_sums
+
+    monkeypatch.setattr(loss_mod, "HEAD_CHUNK_BYTES", 16 * 4 * 40)  # 16-row chunks of a 40-wide vocab
+    g = torch.Generator().manual_seed(1)
+    m, h, vd, t, k = 53, 12, 40, 30, 3  # 53 rows: 3 full chunks + a partial one
+    x0 = torch.randn(m, h, generator=g, dtype=torch.float64)
+    w0 = torch.randn(vd, h, generator=g, dtype=torch.float64)
+    target = torch.randn(t, vd, generator=g, dtype=torch.float64)
+    target[4, 7] = float("-inf")  # zero-probability entry
+    index = torch.randint(0, t, (m,), generator=g)
+    index[0] = 4
+    weight = (torch.rand(m, generator=g) < 0.8).double()
+    depth = torch.randint(0, k, (m,), generator=g)
+    for head_grad in (True, False):  # trainable / frozen lm_head
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_(head_grad)
+        ref_loss, ref_m = cod_loss_sums(x @ w.t(), target[index], weight, depth, k)
+        (ref_loss * 0.7).backward()
+        ref_gx, ref_gw = x.grad, w.grad
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_(head_grad)
+        loss, mets = head_loss_sums(x, w, target, index, weight, depth, k)
+        (loss * 0.7).backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        for a, b in ((mets.loss_sum, ref_m.loss_sum), (mets.acc_sum, ref_m.acc_sum), (mets.acc_total, ref_m.acc_total)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, ref_gx, rtol=1e-10, atol=1e-12)
+        if head_grad:
+            torch.testing.assert_close(w.grad, ref_gw, rtol=1e-10, atol=1e-12)
+        else:
+            assert w.grad is None
+    with torch.no_grad():  # forward only (evaluation): same values, no graph
+        loss, mets = head_loss_sums(x0, w0, target[index], None, weight, depth, k)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)

@@ -119,3 +119,85 @@ def test_config_round_trip_and_validation(target: torch.nn.Module) -> None:
     assert math.isclose(cfg.rope_parameters["rope_theta"], 100000.0)
     with pytest.raises(ValueError, match="mask_token_id"):
         DraftConfig(**{**cfg.to_dict(), "mask_token_id": V})
+
+
+def test_query_groups_equal_one_dense_sdpa_call() -> None:
+    import torch.nn.functional as F
+
+    from peagle.draft import QueryGroups, attend, group_queries
+    from peagle.mask import additive_mask
+
+    row, _ = _flat(seed=5, t=256)  # two documents + padding, K = 4: N well above GROUP_MIN_ELEMENTS
+    n = row.num_elements
+    bool_mask = mask_for(row)  # [N, N]
+    assert group_queries(bool_mask[:100, :100], row.ref_pos[:100]) is None  # too short to group
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0 = (torch.randn(1, h, n, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    for mask in (bool_mask, additive_mask(bool_mask, torch.float64)):
+        groups = group_queries(mask, row.ref_pos, group_size=64)
+        assert isinstance(groups, QueryGroups) and len(groups.groups) == -(-n // 64)
+        work = sum(qi.numel() * ki.numel() for qi, ki, _ in groups.groups)
+        assert work < 0.8 * n * n  # keys nobody in a group sees are left out
+        assert torch.equal(torch.cat([qi for qi, _, _ in groups.groups]).sort().values, torch.arange(n))
+        outs, grads = [], []
+        for m in (mask, groups):
+            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+            out = attend(q, k, v, m) if m is groups else F.scaled_dot_product_attention(
+                q, k, v, attn_mask=m, enable_gqa=True
+            )
+            (out * torch.linspace(-1, 1, n, dtype=torch.float64)[:, None]).sum().backward()
+            outs.append(out)
+            grads.append([q.grad, k.grad, v.grad])
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-12)
+        for a, b in zip(grads[1], grads[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_draft_gives_the_same_hidden_for_bool_additive_and_grouped_masks(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import peagle.draft as draft_mod
+    from peagle.draft import group_queries
+    from peagle.mask import additive_mask
+
+    draft, _ = _draft(target)
+    row, aux = _flat(seed=6, t=256)
+    args = (row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos[None])
+    bool_mask = mask_for(row)
+    add = additive_mask(bool_mask)
+    groups = group_queries(add, row.ref_pos, group_size=64)
+    assert groups is not None
+    with torch.no_grad():
+        outs = [draft(*args, m) for m in (bool_mask, bool_mask[None], add, groups)]  # grouped in forward
+        monkeypatch.setattr(draft_mod, "GROUP_MIN_ELEMENTS", 10**9)
+        assert group_queries(add, row.ref_pos) is None
+        ref = draft(*args, bool_mask)  # one dense call (prefix split)
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_slots_projected_once_give_the_same_values_and_grads(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peagle.draft import PEagleFirstLayer
+
+    row, aux = _flat(seed=7, t=40)
+    assert bool(row.is_masked.any()) and bool((~row.is_masked).any())
+    seen, results = [], []
+    real_forward = PEagleFirstLayer.forward
+    for share in (True, False):
+        def forward(self, *args, _share=share, **kw):  # type: ignore[no-untyped-def]
+            seen.append(args[-1] is not None)
+            return real_forward(self, *(args if _share else (*args[:-1], None)), **kw)
+
+        monkeypatch.setattr(PEagleFirstLayer, "forward", forward)
+        draft, _ = _draft(target)
+        out = draft(row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos[None], mask_for(row))
+        (out * torch.linspace(-1, 1, out.shape[1])[None, :, None]).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in draft.named_parameters()}))
+    assert seen == [True, True]  # forward asked for the shared projection both times
+    (out1, g1), (out0, g0) = results
+    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert torch.count_nonzero(g1["mask_hidden"]) > 0

@@ -107,3 +107,48 @@ def test_cod_draw_is_keyed_by_position() -> None:
     c = plan_rows(batch, _settings(1), epoch=1, index=0, row_ids=[0, 1])
     assert all(torch.equal(x.anchor_pos, y.anchor_pos) for x, y in zip(a, b, strict=True))
     assert any(not torch.equal(x.anchor_pos, y.anchor_pos) for x, y in zip(a, c, strict=True))
+
+
+def _reference_loss_and_grads(draft: PEagleDraft, settings: StepSettings, batch: dict) -> tuple[float, dict]:
+    """The step written plainly: one bool-mask forward per row, materialised logits, dense embedding grad."""
+    from peagle.flat import mask_for
+    from peagle.loss import cod_loss_sums
+
+    draft.zero_grad(set_to_none=True)
+    rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+    den = loss_denominator(rows)
+    total = torch.zeros(())
+    for b, row in enumerate(rows):
+        hidden = draft(row.input_ids[None], batch["aux"][b][row.ref_pos][None], row.is_masked[None],
+                       row.ref_pos[None], mask_for(row)[None, None])  # [1, 1, N, N]: never grouped
+        sel = torch.nonzero(row.weight > 0).reshape(-1)
+        logits = draft.compute_logits(hidden[0][sel])  # [m, Vd]
+        target = batch["target_logits"][b][row.ref_pos[sel]]
+        loss_sum, _ = cod_loss_sums(logits, target, row.weight[sel], row.depth[sel], settings.num_depths)
+        total = total + loss_sum
+    (total / den).backward()
+    return float(total.detach() / den), {n: p.grad.clone() for n, p in draft.named_parameters()}
+
+
+def test_fast_paths_equal_the_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query-grouped attention, fused lm_head + KL and the sparse embedding gradient change no number."""
+    import peagle.draft as draft_mod
+
+    monkeypatch.setattr(draft_mod, "GROUP_MIN_ELEMENTS", 16)  # tiny rows: group them too
+    monkeypatch.setattr(draft_mod, "GROUP_QUERIES", 16)
+    grouped = []
+    real_group = step_mod.group_queries
+    monkeypatch.setattr(step_mod, "group_queries", lambda *a, **k: grouped.append(real_group(*a, **k)) or grouped[-1])
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 2)
+    ref_loss, ref_grads = _reference_loss_and_grads(draft, _settings(1), batch)
+    assert draft.sparse_embedding_grad is False
+    for segments in (1, 4):
+        grouped.clear()
+        loss, grads, _ = _loss_and_grads(draft, _settings(segments), batch)
+        assert grouped and all(g is not None for g in grouped)
+        assert not draft.sparse_embedding_grad  # only on inside the step
+        assert not grads["embed_tokens.weight"].is_sparse
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-7, msg=name)
