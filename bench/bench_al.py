@@ -11,12 +11,16 @@ writes bench/results/al.json. Each (draft, engine) measurement is cached in .pea
 run at different times (`--drafts`, `--engines`; `--force` re-measures).
 
     .venv/bin/python bench/bench_al.py --run RUN [--peer DIR] [--drafts untrained,trained] [--engines reference,vllm]
+    .venv/bin/python -m bench.bench_al      (`make bench`: trains the demo run and the peer draft if missing)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +30,33 @@ sys.path.insert(0, str(ROOT))
 
 CACHE = ROOT / ".peagle" / "bench" / "al"
 RESULTS = ROOT / "bench" / "results"
+DEMO_RUN = ROOT / ".peagle" / "bench" / "demo_run"
+PEER_EXPORT = ROOT / ".peagle" / "bench" / "peer_export"
+PEER_PY = ROOT / ".peer-venv" / "bin" / "python"
+
+
+def ensure_demo_run(run: Path) -> bool:
+    """Train the demo preset into `run` unless it already holds an export; True if it trained now."""
+    if (run / "export" / "config.json").exists():
+        return False
+    print(f"==> no demo run in {run}: training the demo preset (about 10-20 minutes on 2 idle cores)", flush=True)
+    subprocess.run([sys.executable, "-m", "peagle", "train", "demo", "--out", str(run), "--resume", "auto"],
+                   check=True, cwd=ROOT)
+    return True
+
+
+def ensure_peer_export(run: Path, out: Path) -> Path | None:
+    """The peer draft (speculators' own model + loss on the run's features), trained if missing."""
+    if (out / "config.json").exists():
+        return out
+    if not PEER_PY.exists():
+        print("peer draft skipped: .peer-venv missing (bash bench/peer_env.sh)", flush=True)
+        return None
+    print(f"==> training the peer draft from {run} into {out} (speculators 0.9.0, same features/steps/seed)",
+          flush=True)
+    subprocess.run([str(PEER_PY), str(ROOT / "bench" / "peer_train_al.py"), "--run", str(run), "--out", str(out)],
+                   check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    return out
 
 
 def untrained_export(run: Path, out: Path) -> Path:
@@ -58,7 +89,8 @@ def measure(name: str, export: Path, engine: str, args: argparse.Namespace) -> d
     from peagle.serve_check import run_eval
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    cache = CACHE / f"{name}_{engine}_{args.num_prompts}x{args.max_new_tokens}_k{args.k}.json"
+    tag = engine if engine != "reference" or args.dtype == "float32" else f"reference-{args.dtype}"
+    cache = CACHE / f"{name}_{tag}_{args.num_prompts}x{args.max_new_tokens}_k{args.k}.json"
     if cache.exists() and not args.force:
         return json.loads(cache.read_text())
     t0 = time.time()
@@ -84,17 +116,29 @@ def measure(name: str, export: Path, engine: str, args: argparse.Namespace) -> d
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", type=Path, required=True, help="a finished `peagle train` run directory")
-    p.add_argument("--peer", type=Path, default=None, help="export dir of the peer-trained draft")
+    p.add_argument("--run", type=Path, default=None,
+                   help=f"a finished `peagle train` run directory (default: {DEMO_RUN.relative_to(ROOT)}, "
+                        "trained with the demo preset if missing)")
+    p.add_argument("--peer", type=Path, default=None,
+                   help=f"export dir of the peer-trained draft (default: {PEER_EXPORT.relative_to(ROOT)}, trained "
+                        "from the run by bench/peer_train_al.py in .peer-venv if missing)")
     p.add_argument("--drafts", default="untrained,trained,peer")
     p.add_argument("--draft-dir", action="append", default=[], help="NAME=EXPORT_DIR, another draft to measure")
     p.add_argument("--engines", default="reference,vllm")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4)
-    p.add_argument("--dtype", default="float32", help="reference decoder dtype")
+    p.add_argument("--dtype", default="bfloat16", help="reference decoder dtype (vLLM CPU serves bf16)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
+    if args.run is None:  # `make bench`: one command from nothing to the AL table
+        args.run = DEMO_RUN
+        if ensure_demo_run(DEMO_RUN):
+            shutil.rmtree(PEER_EXPORT, ignore_errors=True)
+            shutil.rmtree(CACHE, ignore_errors=True)  # measurements of an earlier run
+            shutil.rmtree(CACHE.parent / "untrained_export", ignore_errors=True)
+        if args.peer is None and "peer" in args.drafts.split(","):
+            args.peer = ensure_peer_export(DEMO_RUN, PEER_EXPORT)
 
     from peagle.serve_check import vllm_python
 
@@ -121,7 +165,10 @@ def main() -> int:
     # Merge with what earlier invocations measured (same settings), so one al.json has everything.
     suffix = f"_{args.num_prompts}x{args.max_new_tokens}_k{args.k}.json"
     for f in sorted(CACHE.glob(f"*{suffix}")):
-        name, engine = f.name.removesuffix(suffix).rsplit("_", 1)
+        name, tag = f.name.removesuffix(suffix).rsplit("_", 1)
+        if tag.startswith("reference") and tag != ("reference" if args.dtype == "float32" else f"reference-{args.dtype}"):
+            continue  # a reference measurement in another dtype
+        engine = "reference" if tag.startswith("reference") else tag
         results.setdefault(name, {}).setdefault(engine, json.loads(f.read_text()))
 
     def al(name: str, engine: str) -> float | None:
@@ -174,7 +221,7 @@ def main() -> int:
     (RESULTS / "al.json").write_text(json.dumps(summary, indent=2))
     for key, val in summary.items():
         if isinstance(val, dict) and "ratio" in val:
-            print(f"{key}: ratio {val['ratio']:.3f} (target {val['target']}, pass {val['pass']})")
+            print(f"{key}: ratio {val['ratio']:.4f} (target {val['target']}, pass {val['pass']})")
     return 0
 
 

@@ -57,6 +57,6 @@ export function renderCheckpoints(box, job, cks) {
       h("td", { class: "num", "data-label": "AL", title: define("acceptance_length") }, fmtNum(ck.acceptance_length ?? ck.metrics?.acceptance_length)),
       h("td", { class: "num", "data-label": "loss", title: define("loss") }, fmtNum(ck.metrics?.loss ?? ck.metrics?.eval_loss)),
       h("td", { "data-label": "Files" }, filesCell(ck)),
-      h("td", { "data-label": "Download" }, h("a", { class: "btn small", href: ck.archive_url, download: `${job.id}-step_${ck.step}.tar`, "aria-label": `Download the archive of step ${ck.step}` }, "Archive")),
+      h("td", { "data-label": "Download" }, h("a", { class: "btn small", href: ck.archive_url, download: `${job.id}-step_${ck.step}.tar`, "aria-label": `Download the archive of step ${ck.step}`, title: "config.json + model.safetensors: what vllm serve loads (training_state.pt is listed under Files)" }, "Archive")),
       h("td", { "data-label": "vLLM" }, commandCell(ck))))))));
 }

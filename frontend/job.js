@@ -88,12 +88,19 @@ function renderTimeline() {
   for (const e of events) if (e.kind === "phase" && e.phase && !(e.phase in firstSeen)) firstSeen[e.phase] = e.time;
   const cur = job.status === "succeeded" ? "done" : job.phase;
   const curIdx = PHASES.indexOf(cur);
+  // A phase the pipeline passed over (e.g. the vLLM serve check when the spec did not ask for it) has no
+  // event of its own while a later phase has one: it is shown as skipped, not as done.
+  const lastSeenIdx = Math.max(-1, ...PHASES.map((ph, i) => (ph in firstSeen ? i : -1)));
   $("#timeline").replaceChildren(...PHASES.map((ph, i) => {
     let cls = "";
     if (job.status === "succeeded" || (curIdx >= 0 && i < curIdx)) cls = "done";
     else if (i === curIdx) cls = job.status === "failed" ? "failed" : TERMINAL.includes(job.status) ? "" : "current";
-    return h("li", { class: cls, "aria-current": cls === "current" ? "step" : null },
-      ph.replace(/_/g, " "), h("span", { class: "t" }, firstSeen[ph] ? fmtTime(firstSeen[ph]) : "\u00a0"));
+    const skipped = cls === "done" && ph !== "done" && !(ph in firstSeen) && i < lastSeenIdx;
+    if (skipped) cls = "skipped";
+    const when = skipped ? "skipped" : firstSeen[ph] ? fmtTime(firstSeen[ph]) : "\u00a0";
+    return h("li", { class: cls, "aria-current": cls === "current" ? "step" : null,
+                     title: skipped ? "not part of this job (see the job spec)" : null },
+      ph.replace(/_/g, " "), h("span", { class: "t" }, when));
   }));
   // On a narrow window the timeline scrolls sideways: keep the current phase in view.
   const tl = $("#timeline");
@@ -221,7 +228,8 @@ function onEvent(e) {
   if (events.length && e.seq != null && e.seq <= events[events.length - 1].seq) return;
   events.push(e);
   if (e.kind === "phase" && e.phase && job) job.phase = e.phase;
-  if (e.kind === "checkpoint") refreshCheckpoints();
+  // A checkpoint, or the final AL measured on one (eval naming checkpoint_step), changes the table.
+  if (e.kind === "checkpoint" || (e.kind === "eval" && e.data && e.data.checkpoint_step != null)) refreshCheckpoints();
   if (["progress", "state", "status", "phase"].includes(e.kind)) refreshJobSoon();
   redrawEvents();
 }
@@ -231,7 +239,7 @@ async function refreshCheckpoints() {
   try {
     const res = await api(`/v1/jobs/${encodeURIComponent(jobId)}/checkpoints`);
     const cks = res.data || res;
-    const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete]));
+    const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete, c.tau_sim, c.acceptance_length]));
     if (sig === ckSig) return;
     ckSig = sig;
     renderCheckpoints($("#checkpoints"), job, cks);

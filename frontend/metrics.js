@@ -10,7 +10,7 @@ const FIXED = {
   lr: "Learning rate of the optimizer at this step (after warmup/schedule).",
   grad_norm: "Global L2 norm of the gradients before clipping.",
   tokens_per_s: "Training throughput: supervised tokens processed per second.",
-  time_fetch: "Seconds per step waiting for data (loading, packing, target features).",
+  time_fetch: "Seconds per step getting the batch: loading and packing data and, with online capture, the target model's forward pass that produces the features (usually the largest part on CPU).",
   time_forward: "Seconds per step in the forward passes (target capture + draft).",
   time_backward: "Seconds per step in the backward passes.",
   time_optimizer: "Seconds per step in the optimizer update (clip, AdamW, schedule).",
@@ -34,7 +34,7 @@ export function label(key) {
   const names = {
     loss: "loss", eval_loss: "eval loss", tau_sim: "tau_sim", eval_tau_sim: "eval tau_sim",
     acceptance_length: "measured AL", lr: "learning rate", tokens_per_s: "tokens/s", full_acc: "full acc",
-    time_fetch: "fetch", time_forward: "forward", time_backward: "backward", time_optimizer: "optimizer",
+    time_fetch: "data + target", time_forward: "forward", time_backward: "backward", time_optimizer: "optimizer",
     grad_norm: "grad norm",
   };
   if (names[key]) return names[key];
@@ -58,5 +58,5 @@ export const CHARTS = [
   { id: "al", title: "tau_sim and measured AL", def: "Simulated (tau_sim) and measured (AL) acceptance length.", keys: ["tau_sim", "eval_tau_sim", "acceptance_length"] },
   { id: "lr", title: "Learning rate", def: FIXED.lr, keys: ["lr"] },
   { id: "tps", title: "Tokens/s", def: FIXED.tokens_per_s, keys: ["tokens_per_s"] },
-  { id: "time", title: "Step time breakdown", def: "Seconds per step spent in data fetch, forward, backward and optimizer.", keys: ["time_fetch", "time_forward", "time_backward", "time_optimizer"] },
+  { id: "time", title: "Step time breakdown", def: "Seconds per step: getting the batch (data + the target's forward when capture is online), draft forward, backward, optimizer.", keys: ["time_fetch", "time_forward", "time_backward", "time_optimizer"] },
 ];

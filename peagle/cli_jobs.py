@@ -126,13 +126,16 @@ def download(
     job_id: str,
     out: Path = typer.Option(Path(), "--out", help="Destination folder."),
     step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: the best)."),
+    training_state: bool = typer.Option(
+        False, "--training-state", help="Also download training_state.pt (optimizer/RNG state, for resuming)."
+    ),
     url: str = _URL,
     api_key: str | None = _KEY,
 ) -> None:
-    """Download a checkpoint's files (resumable, sha256-verified) and print the vllm serve command."""
+    """Download a checkpoint's vLLM files (resumable, sha256-verified) and print the vllm serve command."""
     with _client(url, api_key) as c:
         try:
-            paths = c.download_checkpoint(job_id, step, out)
+            paths = c.download_checkpoint(job_id, step, out, training_state=training_state)
             for p in paths:
                 typer.echo(str(p))
         except ServiceError as exc:

@@ -22,7 +22,10 @@ import httpx
 
 from peagle.errors import PeagleError
 
-__all__ = ["JobDict", "PeagleClient", "ServiceError"]
+__all__ = ["TRAINING_ONLY_FILES", "JobDict", "PeagleClient", "ServiceError"]
+
+#: Checkpoint files only a resumed training run needs (vLLM never reads them).
+TRAINING_ONLY_FILES = frozenset({"training_state.pt"})
 
 StreamKind = Literal["events", "metrics", "logs"]
 
@@ -190,8 +193,13 @@ class PeagleClient:
         part.replace(dest)
         return dest
 
-    def download_checkpoint(self, job_id: str, step: int | None, dest: Path) -> list[Path]:
-        """Download every file of a checkpoint (`step=None`: the best, else the latest) into `dest`."""
+    def download_checkpoint(self, job_id: str, step: int | None, dest: Path, *,
+                            training_state: bool = False) -> list[Path]:
+        """Download a checkpoint (`step=None`: the best, else the latest) into `dest`.
+
+        By default only what `vllm serve` reads (config.json, model.safetensors, ...); the optimizer and
+        RNG state (`training_state.pt`, several times the weights' size) only with `training_state=True`.
+        """
         cks = self.checkpoints(job_id)
         if not cks:
             raise ServiceError(404, "not_found", f"job {job_id} has no complete checkpoint yet")
@@ -201,7 +209,8 @@ class PeagleClient:
             ck = next((c for c in cks if c["step"] == step), None)
             if ck is None:
                 raise ServiceError(404, "not_found", f"job {job_id} has no checkpoint at step {step}")
-        return [self.download_file(f["url"], dest / f["path"], f["sha256"]) for f in ck["files"]]
+        files = [f for f in ck["files"] if training_state or f["path"] not in TRAINING_ONLY_FILES]
+        return [self.download_file(f["url"], dest / f["path"], f["sha256"]) for f in files]
 
     # ------------------------------------------------------------------ datasets
     def upload_dataset(self, path: Path, fmt: str = "auto") -> dict[str, Any]:

@@ -4,9 +4,9 @@
 
 Phases (each announced as a `phase` event on the sink, in this order): `validating` (target and
 tokenizer load, aux layer ids, provenance), `preparing_data` + `building_vocab` (`peagle.data.prepare`,
-cached in RUN/data), `capturing` (offline feature shards when `resources.capture == "offline"`),
-`training` (the trainer; every checkpoint carries the vLLM export, written by `export_draft` before its
-COMPLETE marker), `evaluating` (the reference decoder on the best checkpoint's EXPORT, i.e. on exactly
+cached in RUN/data), `capturing` (offline feature shards of the train and held-out rows when
+`resources.capture == "offline"`), `training` (the trainer; every checkpoint carries the vLLM export,
+written by `export_draft` before its COMPLETE marker), `evaluating` (the reference decoder on the best checkpoint's EXPORT, i.e. on exactly
 the bf16 weights vLLM will serve), `exporting` (RUN/export = the best export + eval.json), optional
 `serve_check` (vLLM), `done`. The run directory layout is the contract of /work/brief/common.md.
 
@@ -214,11 +214,11 @@ def run_pipeline(
 
     _phase(sink, "capturing", f"target features ({spec.resources.capture})")
     source = build_batch_source(spec, capture, prepared.train, run, name="train", sink=_NoPhases(sink))
-    eval_source = (
-        OnlineFeatureSource(capture, prepared.eval, spec.optim.micro_batch_size, spec.optim.seed)
-        if len(prepared.eval)
-        else None
-    )
+    eval_source: Any = None
+    if len(prepared.eval) and spec.resources.capture == "offline":  # captured once, read at every eval
+        eval_source = build_batch_source(spec, capture, prepared.eval, run, name="eval", sink=_NoPhases(sink))
+    elif len(prepared.eval):
+        eval_source = OnlineFeatureSource(capture, prepared.eval, spec.optim.micro_batch_size, spec.optim.seed)
     steps = total_steps(spec.optim, source.num_batches())
     resolved = spec.model_copy(deep=True)
     resolved.draft.aux_layer_ids = list(aux_ids)
@@ -278,7 +278,10 @@ def run_pipeline(
         values = {"acceptance_length": result.eval["acceptance_length"]}
         values.update({f"al_pos_{i}": v for i, v in enumerate(result.eval.get("per_position", []))})
         sink.metric(trainer.step, trainer.step / max(steps, 1) * spec.optim.epochs, values)
-    sink.event("eval", metrics=result.eval)
+    # `checkpoint_step` lets the service record this AL on the evaluated checkpoint itself.
+    step_of_best = best.name.rsplit("_", 1)[-1]
+    sink.event("eval", metrics=result.eval, checkpoint=best.name,
+               checkpoint_step=int(step_of_best) if step_of_best.isdigit() else None)
 
     _phase(sink, "exporting", "RUN/export = the best checkpoint's vLLM export")
     export_dir = _copy_export(best, run / "export")
@@ -435,11 +438,16 @@ def _serve_check(
     ref = dict(eval_json.get("prompt_sets", {}).get(name, {}))
     cmp = compare_reports(ref, res)
     _write_json(export_dir / "serve_check.json", cmp)
+    # Keys prefixed `vllm_`: the reference decoder's `acceptance_length` stays the job's AL metric.
+    v_al, r_al = cmp["vllm"].get("acceptance_length"), cmp["reference"].get("acceptance_length")
     sink.event(
         "eval",
+        message=f"vLLM serve check: AL {v_al if v_al is None else round(v_al, 4)} vs reference "
+        f"{r_al if r_al is None else round(r_al, 4)}, parallel drafting "
+        f"{'on' if res.get('parallel_drafting_ok') else 'NOT on'}",
         metrics={
             "engine": "vllm",
-            **cmp["vllm"],
+            **{f"vllm_{k}": v for k, v in cmp["vllm"].items()},
             "al_ratio_vllm_over_reference": cmp["al_ratio_vllm_over_reference"],
         },
     )

@@ -30,7 +30,7 @@ def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_p
         jid = job["id"]
         sim.set(jid, status="running")
         blob = b"weights" * 1000
-        sim.checkpoint(jid, 8, {"model.safetensors": blob, "config2.json": b"{}"})
+        sim.checkpoint(jid, 8, {"model.safetensors": blob, "config2.json": b"{}", "training_state.pt": b"opt" * 99})
 
         def finish() -> None:
             time.sleep(0.3)
@@ -53,6 +53,10 @@ def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_p
         r = runner.invoke(cli_app, ["jobs", "download", jid, "--out", str(out)], env=env)
         assert r.exit_code == 0, r.output
         assert hashlib.sha256((out / "model.safetensors").read_bytes()).digest() == hashlib.sha256(blob).digest()
+        # what vLLM reads only; the optimizer state on request
+        assert sorted(p.name for p in out.iterdir()) == ["config2.json", "model.safetensors"]
+        r = runner.invoke(cli_app, ["jobs", "download", jid, "--out", str(out), "--training-state"], env=env)
+        assert r.exit_code == 0 and (out / "training_state.pt").read_bytes() == b"opt" * 99, r.output
         r = runner.invoke(cli_app, ["jobs", "cancel", jid], env=env)
         assert r.exit_code == 1 and "illegal_transition" in r.output
         r = runner.invoke(cli_app, ["jobs", "submit", "--preset", "tiny", "--dry-run"], env=env)

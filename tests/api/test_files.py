@@ -15,7 +15,7 @@ BLOB = bytes(range(256)) * 40  # 10240 bytes
 
 def _job_with_ckpt(client: TestClient, alice: dict, sim: Any, submit: Any) -> str:
     jid = submit(client, alice)["id"]
-    d = sim.checkpoint(jid, 4, {"model.safetensors": BLOB, "sub/meta.json": b"{}"})
+    d = sim.checkpoint(jid, 4, {"model.safetensors": BLOB, "sub/meta.json": b"{}", "training_state.pt": b"adam"})
     (d.parent.parent / "secret.txt").write_text("not yours")
     (d / "link").symlink_to(d.parent.parent / "secret.txt")
     return jid
@@ -76,6 +76,12 @@ def test_archive_is_deterministic_and_ranged(client: TestClient, alice: dict, si
     assert "t/v" in serve["long_command"] and '"parallel_drafting": true' in serve["long_command"]
     tok = client.post("/v1/auth/stream-token", headers=alice).json()["token"]
     assert client.get(f"{url}?token={tok}").content == a.content
+    # the optimizer state only on request (walk-through: a 70 MB draft came as a 509 MB archive)
+    full = client.get(f"{url}?training_state=true", headers=alice)
+    with tarfile.open(fileobj=io.BytesIO(full.content)) as tar:
+        assert [m.name.split("/", 1)[1] for m in tar.getmembers()] == [
+            "model.safetensors", "sub/meta.json", "training_state.pt"]
+    assert full.headers["x-checksum-sha256"] != a.headers["x-checksum-sha256"]
 
 
 def _upload(client: TestClient, headers: dict, data: bytes, name: str = "chats.jsonl") -> Any:

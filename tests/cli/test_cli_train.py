@@ -98,3 +98,24 @@ def test_export_eagle3_layout_and_eval(tiny_run, tmp_path):
     assert r.exit_code == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["engine"] == "reference" and rep["tokens_generated"] == 6 and len(rep["per_position"]) == 3
+
+
+def test_offline_capture_caches_the_held_out_rows_too(tmp_path, tiny_target_path):
+    """capture=offline: train AND held-out features are captured once to RUN/data/features/{train,eval}."""
+    from peagle.spec import preset
+
+    spec = preset("tiny").model_dump(mode="json")
+    spec["resources"]["capture"] = "offline"
+    spec["optim"]["max_steps"], spec["checkpoints"]["every_steps"] = 4, 2  # two held-out evals read the cache
+    spec["eval"]["prompt_sets"] = []
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    run = tmp_path / "run"
+    proc = _peagle("train", str(path), "--out", str(run), "--progress-jsonl", "-")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("train", "eval"):
+        manifest = json.loads((run / "data" / "features" / name / "manifest.json").read_text())
+        assert manifest["complete"] and manifest["num_rows"] >= 1
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    evals = [r for r in records if r.get("kind") == "eval" and "eval_tau_sim" in r.get("metrics", {})]
+    assert len(evals) == 2

@@ -235,3 +235,39 @@ def test_dataset_upload_report(page: object, tmp_path: Path) -> None:
     report.get_by_role("button", name="Use for training").click()
     assert pg.get_by_label("Training data").input_value().startswith("dataset:ds_")
     shot(pg, "new-job-dataset-1280")
+
+
+def test_timeline_marks_phases_the_job_skipped(page: object, server: Server, feeder: object) -> None:
+    """Walk-through rough edge: a job without the vLLM serve check showed that phase as a blank step."""
+    job_id = _create_job(server, "no serve check")
+    feeder.claim(job_id)  # type: ignore[attr-defined]
+    for ph in ("validating", "preparing_data", "building_vocab", "capturing", "training", "evaluating",
+               "exporting", "done"):
+        feeder.phase(job_id, ph)  # type: ignore[attr-defined]
+    feeder.finish(job_id)  # type: ignore[attr-defined]
+    pg = page
+    pg.goto(f"/job.html?id={job_id}")
+    pg.locator(".chip.succeeded").first.wait_for()
+    skipped = pg.locator("#timeline li.skipped")
+    skipped.first.wait_for()
+    assert skipped.all_inner_texts() == ["serve check\nskipped"], skipped.all_inner_texts()
+    assert pg.locator("#timeline li.done").count() == 8
+
+
+def test_final_al_appears_on_the_checkpoint_row_live(page: object, server: Server, feeder: object) -> None:
+    """Walk-through rough edge: the AL measured after training never showed in the open checkpoints table."""
+    job_id = _create_job(server, "final AL")
+    feeder.claim(job_id)  # type: ignore[attr-defined]
+    feeder.phase(job_id, "training")  # type: ignore[attr-defined]
+    feeder.checkpoint(job_id, 6)  # type: ignore[attr-defined]
+    pg = page
+    pg.goto(f"/job.html?id={job_id}")
+    al_cell = pg.locator("table.checkpoints tr[data-step='6'] td[data-label='AL']")
+    al_cell.wait_for()
+    assert "2.345" not in al_cell.inner_text()
+    feeder.ingest(  # type: ignore[attr-defined]
+        job_id, checkpoint_metrics=[{"step": 6, "metrics": {"acceptance_length": 2.345}}],
+        events=[{"kind": "eval", "message": "evaluation: acceptance_length 2.345",
+                 "data": {"checkpoint_step": 6, "metrics": {"acceptance_length": 2.345}}}])
+    pg.wait_for_function("document.querySelector(\"table.checkpoints tr[data-step='6'] td[data-label='AL']\")"
+                         ".textContent.includes('2.345')", timeout=10_000)

@@ -148,6 +148,25 @@ def test_checkpoint_upsert_moves_best_and_marks_deleted(factory):
     assert job.best_checkpoint_step == 6 and job.latest_checkpoint_step == 6
 
 
+def test_final_al_of_the_best_checkpoint_lands_on_its_row(factory):
+    """Walk-through rough edge: the measured AL was in the events but the checkpoints table showed none."""
+    job_id = new_job(factory)
+    lease = claim(factory, job_id)
+    c = ProgressCollector()
+    for s in (4, 8):
+        c.add_line(f'{{"type":"event","kind":"checkpoint","step":{s},"metrics":{{"tau_sim":0.{s}}},'
+                   f'"is_best":{"true" if s == 4 else "false"}}}\n')
+    c.add_line('{"type":"event","kind":"eval","checkpoint_step":4,'
+               '"metrics":{"acceptance_length":1.7,"per_position":[0.5,0.2],"tau_sim":9.0}}\n')
+    c.add_line('{"type":"event","kind":"eval","checkpoint_step":99,"metrics":{"acceptance_length":2.0}}\n')
+    with session_scope(factory) as s:
+        L.ingest(s, lease, c.take())
+    with factory() as s:
+        rows = {ck.step: ck.metrics for ck in s.scalars(sa.select(Checkpoint).where(Checkpoint.job_id == job_id))}
+    assert rows == {4: {"tau_sim": 0.4, "acceptance_length": 1.7, "al_pos_0": 0.5, "al_pos_1": 0.2},
+                    8: {"tau_sim": 0.8}}
+
+
 def test_finish_checks_the_state_machine(factory):
     job_id = new_job(factory)
     lease = claim(factory, job_id)

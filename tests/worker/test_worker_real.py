@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from api.db.models import JobEvent, JobMetric
+from api.db.models import JobEvent, JobLog, JobMetric
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -98,7 +98,9 @@ def test_end_to_end_embedded_download_and_pause_resume(make_stack, api):
     stack.start_worker()
     stack.start_worker()
     client = api(stack)
-    job_a, job_b = submit(client), submit(client)
+    # one short AL measurement at the end (the checkpoints table must show it)
+    with_al = {**OVERRIDES, "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 1}], "max_new_tokens": 4}}
+    job_a, job_b = submit(client, with_al), submit(client, with_al)
     stack.wait(job_b, lambda j: (j.progress or {}).get("step", 0) >= 1 and j.status == "running", 120, "B training")
     r = client.post(f"/v1/jobs/{job_b}/pause")
     assert r.status_code == 200 and r.json()["status"] in ("pausing", "paused"), r.text
@@ -126,6 +128,10 @@ def test_end_to_end_embedded_download_and_pause_resume(make_stack, api):
     f = next(x for x in best["files"] if x["path"] == "model.safetensors")
     r = client.get(f"/v1/jobs/{job_a}/checkpoints/{best['step']}/files/model.safetensors")
     assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == f["sha256"]
+    # walk-through rough edges: the final measured AL is on the best checkpoint's row; no tqdm bars in logs
+    assert best["acceptance_length"] is not None and best["acceptance_length"] >= 1.0, best
+    logs = [g.message for g in stack.rows(JobLog, job_a)]
+    assert logs and not any("it/s]" in m or "%|" in m for m in logs), logs
 
     # B: resumed exactly at its pause checkpoint; final weights equal A's; metrics without gaps/duplicates.
     assert training_steps(stack, job_b) == list(range(1, total + 1))

@@ -160,3 +160,50 @@ def test_prompts_go_through_the_chat_template(smollm2_tokenizer):
     ids = tokenize_prompts(smollm2_tokenizer, ["def f():"])[0]
     text = smollm2_tokenizer.decode(ids)
     assert "<|im_start|>user\ndef f():<|im_end|>" in text and text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_cached_proposer_equals_full_recompute(target, draft):
+    """The draft KV cache gives the same logits (hence proposals) as recomputing every slot, step by step."""
+    from peagle.evaluate import CachedDraftProposer
+
+    full, cached = DraftProposer(draft, 3), CachedDraftProposer(draft, 3)
+    seen: list[torch.Tensor] = []
+    handle = draft.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
+    calls = {"n": 0}
+
+    def both(seq, aux):
+        calls["n"] += 1
+        want, got = full(seq, aux), cached(seq, aux)
+        want_logits, got_logits = seen[-2], seen[-1]
+        assert got_logits.shape == want_logits.shape == (3, 64)
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got, want)
+        return got
+
+    try:
+        r = speculative_decode(target, both, PROMPT, aux_layer_ids=[1, 2, 3], num_speculative_tokens=3,
+                               max_new_tokens=40)  # fmt: skip
+        # a second prompt through the same proposer: the cache starts over (reset by speculative_decode)
+        r2 = speculative_decode(target, cached, PROMPT[:3], aux_layer_ids=[1, 2, 3], num_speculative_tokens=3,
+                                max_new_tokens=12)  # fmt: skip
+        r2_full = speculative_decode(target, full, PROMPT[:3], aux_layer_ids=[1, 2, 3], num_speculative_tokens=3,
+                                     max_new_tokens=12)  # fmt: skip
+    finally:
+        handle.remove()
+    assert calls["n"] == len(r.accepted) > 5
+    assert r2.tokens == r2_full.tokens and r2.accepted == r2_full.accepted
+
+
+def test_cached_proposer_starts_over_on_another_prefix(target, draft):
+    """Without reset, a sequence that does not extend the cached one is recomputed from scratch."""
+    from peagle.evaluate import CachedDraftProposer, TargetStepper
+
+    stepper = TargetStepper(target, [1, 2, 3])
+    _, aux = stepper.forward(PROMPT)
+    seq = torch.tensor([*PROMPT, 9])
+    cached, full = CachedDraftProposer(draft, 3), DraftProposer(draft, 3)
+    cached(seq, aux)
+    other = seq.clone()
+    other[2] = 11  # same length, different prefix
+    assert torch.equal(cached(other[:-2], aux[:-2]), full(other[:-2], aux[:-2]))
+    assert torch.equal(cached(other, aux), full(other, aux))
