@@ -33,7 +33,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": broker,
         "result_backend": None,
         "task_ignore_result": True,
-        "task_acks_late": False,
+        "task_acks_late": True,  # a busy worker holds its message: no second job reserved
         "task_serializer": "json",
         "accept_content": ["json"],
         "worker_prefetch_multiplier": 1,

@@ -3,9 +3,12 @@
 Configured for multi-hour GPU work (Celery docs, "Optimizing" and "Tasks"):
 - prefork pool, concurrency 1 (one worker process per GPU or GPU group), prefetch 1, one task per child
   (each job gets a fresh process: no state, CUDA context or leaked memory carried over);
-- `task_acks_late=False`, `task_reject_on_worker_lost=False`: the broker never redelivers a training task
-  (Redis would after `visibility_timeout`, starting duplicates). Crash recovery is the reaper's job,
-  through the database lease;
+- `task_acks_late=True` with prefetch 1: a worker that is training holds its one unacknowledged message,
+  so it never reserves a second job while another worker sits idle (with early acks, a busy worker
+  prefetches the next job and keeps it until its current one ends). A redelivered message is harmless:
+  `claim_job` only takes a `queued` job. `task_reject_on_worker_lost=False` and a 7-day Redis
+  `visibility_timeout` keep the broker from re-running work; crash recovery is the reaper's job, through
+  the database lease;
 - explicit queues per GPU kind (`settings.worker_queue`, comma-separated), `task_create_missing_queues=False`;
 - the parent never touches CUDA: nothing here imports torch; the trainer is a child process.
 The broker settings come from `api.queue.celery_config` so the API and the worker agree on them.
@@ -54,7 +57,7 @@ def make_celery(settings: Settings, *, queues: list[str] | None = None) -> Celer
         worker_concurrency=1,
         worker_prefetch_multiplier=1,
         worker_max_tasks_per_child=1,
-        task_acks_late=False,
+        task_acks_late=True,
         task_reject_on_worker_lost=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry=True,

@@ -83,7 +83,7 @@ def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) 
 def register_tasks(app: Any, settings: Settings) -> Any:
     """Register `peagle.train` on `app` (settings are closed over: no module-level state)."""
 
-    @app.task(name=TRAIN_TASK, acks_late=False, reject_on_worker_lost=False, ignore_result=True)  # type: ignore[untyped-decorator]
+    @app.task(name=TRAIN_TASK, acks_late=True, reject_on_worker_lost=False, ignore_result=True)  # type: ignore[untyped-decorator]
     def train(job_id: str) -> str:
         return run_job(settings, job_id)
 

@@ -125,4 +125,21 @@ def test_real_workers_run_one_job_at_a_time_per_owner(make_stack, spec_for):
     assert (stack.job(a).status, stack.job(b).status) == ("succeeded", "succeeded"), stack.logs()
     assert not seen_both, "both jobs of one owner ran at once"
     waited = [e for j in (a, b) for e in stack.rows(JobEvent, j) if e.kind == "waiting"]
-    assert waited, "the second job was never deferred"
+    assert waited, "the second job was never deferred\n" + stack.logs()
+
+
+@pytest.mark.integration
+def test_a_busy_worker_never_holds_a_second_job_while_another_is_idle(make_stack, spec_for):
+    """Two workers, no limit: the second job starts on the idle worker while the first still trains
+    (with early acks, the busy worker prefetched it and kept it until its own job ended)."""
+    stack = make_stack("embedded")
+    env = {"FAKE_STEP_SECONDS": "0.15"}
+    stack.start_worker(env=env)
+    stack.start_worker(env=env)
+    stack.wait_workers_ready(2)
+    a = stack.submit(spec_for(steps=40, every=20))
+    stack.wait_status(a, "running")
+    b = stack.submit(spec_for(steps=8, every=4))
+    stack.wait_status(b, "succeeded", timeout=60)
+    assert stack.job(a).status == "running", "the second job waited for the first one's worker"
+    stack.wait_status(a, "succeeded", timeout=60)
