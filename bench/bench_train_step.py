@@ -5,8 +5,10 @@ V=49152, 2 draft layers, Vd=8192, K=8, r=0.7, r_min=0.2, one row of T=512 tokens
 conversation rendered with SmolLM2's chat template, with its real assistant mask (decision-1 shift).
 Aux features and target logits are random (timing does not depend on their values).
 
-* ours: `peagle.train.loop.Trainer` steps (COD, dense mask, SDPA, lm_head + KL on supervised elements
-  only, backward, clip, fused AdamW; embeddings trainable), wall time between step records. The
+* ours: `peagle.train.loop.Trainer` steps (COD, dense mask cut into query groups, lm_head + KL on
+  supervised elements only, backward, clip, fused AdamW; embeddings trainable), wall time between step
+  records. Its fp32 CPU products (linears, lm_head, grouped attention) run through oneDNN
+  (`peagle.core_cpu`); `--gemm aten` runs them through ATen (MKL sgemm, SDPA) like the peer instead. The
   headline ratio freezes our lm_head like the peer's (same trainable set); the ratio with our default
   (trainable lm_head, one more [m, H] x [H, Vd] weight-gradient matmul) is reported beside it;
 * peer: speculators 0.9.0 (`draft_attn_impl="sdpa"`, eager KL, its own forward computing the target
@@ -16,9 +18,9 @@ Rounds alternate peer / ours so machine load hits both; the ratio is median(ours
 Beside it, `cpu_step_time_ratio` compares the process CPU seconds per step (time.process_time, same
 rounds): with `--threads 1` that is the work of a step and barely moves with the load of a shared
 machine, where the wall-clock ratio can swing by +-0.1 between runs.
-Target: <= 0.6. Writes bench/results/train_step.json.
+Target: <= 0.6. Writes bench/results/train_step.json (`--gemm aten`: train_step_aten.json).
 
-    .venv/bin/python -m bench.bench_train_step [--steps 5] [--rounds 2] [--threads 2]
+    .venv/bin/python -m bench.bench_train_step [--steps 5] [--rounds 2] [--threads 2] [--gemm onednn|aten]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from peagle import core_cpu  # noqa: E402
 from peagle.data.formats import iter_rows  # noqa: E402
 from peagle.data.packing import shift_rows  # noqa: E402
 from peagle.data.template import tokenize_conversation  # noqa: E402
@@ -131,11 +134,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gemm", choices=["onednn", "aten"], default="onednn", help="our fp32 CPU products")
     args = ap.parse_args()
     if not PEER_PY.exists():
         print("missing .peer-venv: run `bash bench/peer_env.sh` first", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    core_cpu.ONEDNN = args.gemm == "onednn"
     from transformers import AutoConfig, AutoTokenizer
 
     folder = smollm2_dir()
@@ -177,7 +182,8 @@ def main() -> int:
         "setting": {"seq_len": T, "num_depths": K, "r": R, "r_min": R_MIN, "draft_layers": LAYERS,
                     "draft_vocab": VD, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                     "kv_heads": cfg.num_key_value_heads, "vocab": v, "sharegpt_index": conv_index,
-                    "supervised_tokens": int(s_mask.sum()), "threads": args.threads},
+                    "supervised_tokens": int(s_mask.sum()), "threads": args.threads,
+                    "ours_gemm": args.gemm},
         "ours_step_seconds": ours,
         "ours_trainable_lm_head_step_seconds": ours_default,
         "peer_step_seconds": peer,
@@ -196,13 +202,13 @@ def main() -> int:
         "pass": ratio <= 0.6,
         "time": time.time(),
     }
-    out = ROOT / "bench" / "results" / "train_step.json"
+    out = ROOT / "bench" / "results" / ("train_step.json" if args.gemm == "onednn" else "train_step_aten.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"ours {result['ours_median_s']:.3f} s/step, peer {result['peer_median_s']:.3f} s/step, "
           f"ratio {ratio:.3f} (target <= 0.6); with our default trainable lm_head "
           f"{result['ours_trainable_lm_head_median_s']:.3f} s/step, ratio {ratio_default:.3f}; "
-          f"CPU-time ratio {cpu_ratio:.3f}; load {os.getloadavg()[0]:.2f}")
+          f"CPU-time ratio {cpu_ratio:.3f}; load {os.getloadavg()[0]:.2f}; {args.threads} threads, {args.gemm}")
     return 0
 
 

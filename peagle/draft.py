@@ -17,6 +17,8 @@ Architecture (peagle.md section 1.5, decision 6):
 
 Parameter and buffer names are exactly the exported (speculators / vLLM) keys, so the export is a plain
 `save_file(draft.state_dict())` (plus a bf16 cast). The rotary `inv_freq` buffers are not persistent.
+The layers call their weights through `peagle.core_cpu.linear` (oneDNN for CPU fp32, `F.linear` otherwise)
+rather than the `nn.Linear` modules, which stay as the holders of those names.
 
 Weights that must come from the target (`embed_tokens`, `lm_head`) start as NaN so a draft that was
 never initialised with `init_from_target` (or a checkpoint) is detected at the first forward.
@@ -41,6 +43,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from peagle.core_cpu import grouped_attention, linear, uses_onednn
 from peagle.errors import TargetLoadError
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "PEagleDraft",
     "PEagleFirstLayer",
     "PEagleLayer",
+    "PEagleMLP",
     "QueryGroups",
     "attend",
     "expected_state_keys",
@@ -257,7 +261,8 @@ def attend(
         k, v: [B, nkv, N, hd] keys / values.
         attn_mask: dense bool [N, N] or [B, N, N] (True = visible; SDPA), the same as an additive float
             mask in the query dtype (0 / -inf, `peagle.mask.additive_mask`: built once, shared by all
-            layers), `QueryGroups` of such a mask (B = 1; one SDPA call per group), or a flex `BlockMask`.
+            layers), `QueryGroups` of such a mask (B = 1; one SDPA call per group, or on CPU fp32 one
+            `peagle.core_cpu.grouped_attention` call for all groups), or a flex `BlockMask`.
             Rows without any visible key (padding queries) must be given one by the mask builder.
         cache: holds the compiled flex kernel (one per draft).
         prefix: P > 0 when the first P queries see only the first P keys (the depth-0 block of a COD
@@ -271,6 +276,8 @@ def attend(
         kernel = _flex_kernel(cache if cache is not None else {}, q)
         return kernel(q, k, v, block_mask=attn_mask, enable_gqa=True)
     if isinstance(attn_mask, QueryGroups):
+        if q.shape[0] == 1 and uses_onednn(q, k, v):  # one Function for all groups, oneDNN products
+            return grouped_attention(q, k, v, attn_mask.groups)  # [1, nh, N, hd]
         outs = [
             F.scaled_dot_product_attention(
                 q.index_select(2, q_idx), k.index_select(2, k_idx), v.index_select(2, k_idx), attn_mask=sub,
@@ -311,7 +318,8 @@ class PEagleAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0) -> Tensor:
         """x [B, N, Din], cos/sin [B, N, hd] -> [B, N, H] (`prefix`: see `attend`)."""
-        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, attn_mask, prefix)
+        q, k, v = (linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self._attend(q, k, v, cos, sin, attn_mask, prefix)
 
     def forward_rows(
         self, x: Tensor, real: Tensor, shape: tuple[int, int], cos: Tensor, sin: Tensor, attn_mask: AttnMask,
@@ -322,8 +330,8 @@ class PEagleAttention(nn.Module):
         projected once (RoPE still uses every slot's own position) -> [B, N, H]."""
         b, n = shape
 
-        def project(linear: nn.Linear) -> Tensor:
-            y = linear(x)  # [R+1, d]
+        def project(proj: nn.Linear) -> Tensor:
+            y = linear(x, proj.weight)  # [R+1, d]
             return y[-1:].expand(b * n, y.shape[-1]).index_copy(0, real, y[:-1]).view(b, n, -1)  # [B, N, d]
 
         return self._attend(project(self.q_proj), project(self.k_proj), project(self.v_proj), cos, sin, attn_mask,
@@ -339,12 +347,21 @@ class PEagleAttention(nn.Module):
         v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = attend(q, k, v, attn_mask, self.kernel_cache, prefix)  # [B, nh, N, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+        return linear(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), self.o_proj.weight)
 
 
 # --------------------------------------------------------------------------------------------------
 # Decoder layers
 # --------------------------------------------------------------------------------------------------
+
+
+class PEagleMLP(LlamaMLP):
+    """`LlamaMLP` (same weights and names) with its products through `peagle.core_cpu.linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, N, H] -> [B, N, H]: down(act(gate(x)) * up(x))."""
+        gate = self.act_fn(linear(x, self.gate_proj.weight))  # [B, N, I]
+        return linear(gate * linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class PEagleFirstLayer(nn.Module):
@@ -354,7 +371,7 @@ class PEagleFirstLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.self_attn = PEagleAttention(cfg, 2 * h)
-        self.mlp = LlamaMLP(llama)
+        self.mlp = PEagleMLP(llama)
         self.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
@@ -389,7 +406,7 @@ class PEagleLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, llama: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = PEagleAttention(cfg, cfg.hidden_size)
-        self.mlp = LlamaMLP(llama)
+        self.mlp = PEagleMLP(llama)
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -479,10 +496,10 @@ class PEagleDraft(nn.Module):
         emb = F.embedding(ids, self.embed_tokens.weight, sparse=self.sparse_embedding_grad)  # [B, N, H]
         # fc only over the real (unmasked) slots; every masked slot gets fc(mask_hidden), which stays in
         # the graph even when there is no masked slot (zero gradient, never a missing one).
-        mask_proj = self.fc(self.mask_hidden).reshape(1, h)  # [1, H]
+        mask_proj = linear(self.mask_hidden, self.fc.weight).reshape(1, h)  # [1, H]
         real = torch.nonzero(~is_masked.reshape(-1)).reshape(-1)  # [R]
         feats = aux.reshape(b * n, -1).index_select(0, real).to(self.mask_hidden.dtype)  # [R, 3H]
-        proj = self.fc(feats)  # [R, H]
+        proj = linear(feats, self.fc.weight)  # [R, H]
         hid = mask_proj.to(proj.dtype).expand(b * n, h).index_copy(0, real, proj).view(b, n, h)  # [B, N, H]
         cos, sin = self.rotary_emb(hid, position_ids)  # [B, N, hd] each
         prefix = 0
@@ -505,7 +522,7 @@ class PEagleDraft(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[*, H] pre-norm hidden -> [*, Vd] draft-vocab logits (`lm_head(norm(hidden))`)."""
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(self.norm(hidden))  # a module call: evaluation hooks `lm_head`
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocab ids [*] to target ids [*] (`i + d2t[i]`; identity when Vd == V)."""

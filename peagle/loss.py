@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from peagle.core_cpu import mm_nt
+
 __all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "tau_sim"]
 
 LOSS_EPS = 1e-5
@@ -79,27 +81,23 @@ def _head_chunk_rows(vocab: int) -> int:
     return max(16, min(1024, HEAD_CHUNK_BYTES // (4 * max(vocab, 1))))
 
 
-def _head_chunk(
-    x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, start: int, stop: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Logits, log q, p and KL of rows `start:stop`: `[c, Vd]` x3 and `[c]` (see `kl_per_position`)."""
-    logits = F.linear(x[start:stop], head)  # [c, Vd] (bf16 under autocast)
-    z = target[start:stop] if index is None else target.index_select(0, index[start:stop])  # [c, Vd]
-    dtype = torch.promote_types(torch.promote_types(logits.dtype, z.dtype), torch.float32)
-    log_q = F.log_softmax(logits.to(dtype), dim=-1)  # [c, Vd]
-    log_p = F.log_softmax(z.to(dtype), dim=-1)  # [c, Vd]
-    p = log_p.exp()  # [c, Vd]
+def _target_rows(z: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Target side of the KL for `[u, Vd]` logits: p `[u, Vd]`, `sum_v p log p` `[u]`, argmax `[u]`."""
+    log_p = F.log_softmax(z.to(dtype), dim=-1)  # [u, Vd]
+    p = log_p.exp()  # [u, Vd]
     # p = 0 terms contribute 0: clamping log p to the finite minimum turns 0 * (-inf) into 0 * finite
-    kl = (p * log_p.clamp_min_(torch.finfo(dtype).min).sub_(log_q)).sum(-1)  # [c]
-    hit = logits.argmax(-1) == z.argmax(-1)  # [c]
-    return log_q, p, kl, hit
+    neg_entropy = (p * log_p.clamp_min_(torch.finfo(dtype).min)).sum(-1)  # [u]
+    return p, neg_entropy, z.argmax(-1)
 
 
 class _FusedHeadKL(torch.autograd.Function):
     """`sum_r w_r KL(softmax(z_r) || softmax(x_r W^T))` over row chunks, gradients computed in forward.
 
     The loss is linear in its single scalar output, so d loss / d x and d loss / d W are computed chunk by
-    chunk during forward (`(q - p) * w` never exceeds one `[c, Vd]` chunk) and only scaled in backward.
+    chunk during forward (`q - p` never exceeds one `[c, Vd]` chunk) and only scaled in backward.
+    Elements are visited in target-row order, so the target side (softmax, `sum p log p`, argmax) is
+    computed once per distinct target row of a chunk (a COD row's elements share a target row about 3
+    times at K = 8) and gathered for its elements: `KL_r = sum p log p - sum p log q`.
     """
 
     @staticmethod
@@ -112,27 +110,47 @@ class _FusedHeadKL(torch.autograd.Function):
         grad_x = torch.empty_like(x) if want_x else None  # [M, H]
         acc = torch.promote_types(head.dtype, torch.float32)  # fp32 accumulation of bf16 chunk products
         grad_w = torch.zeros(head.shape, dtype=acc, device=head.device) if want_w else None  # [Vd, H]
+        cdt = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.get_autocast_dtype(x.device.type)
+        logit_dtype = cdt if cdt != x.dtype else torch.promote_types(x.dtype, head.dtype)
+        dtype = torch.promote_types(torch.promote_types(logit_dtype, target.dtype), torch.float32)  # KL dtype
+        order = None if index is None else torch.argsort(index, stable=True)  # [M] elements by target row
         kls, hits = [], []
         for start in range(0, m, step):
             stop = min(start + step, m)
-            log_q, p, kl, hit = _head_chunk(x, head, target, index, start, stop)
-            kls.append(kl)
-            hits.append(hit)
+            if order is None:
+                rows = x[start:stop]  # [c, H]
+                p, neg_entropy, z_arg = _target_rows(target[start:stop], dtype)
+                inv = None
+            else:
+                elems = order[start:stop]  # [c]
+                rows = x.index_select(0, elems)  # [c, H]
+                uniq, inv = torch.unique_consecutive(index.index_select(0, elems), return_inverse=True)  # [u], [c]
+                p, neg_entropy, z_arg = _target_rows(target.index_select(0, uniq), dtype)
+            logits = mm_nt(rows, head)  # [c, Vd] (bf16 under autocast)
+            log_q = F.log_softmax(logits.to(dtype), dim=-1)  # [c, Vd]
+            if inv is not None:
+                p, neg_entropy, z_arg = p.index_select(0, inv), neg_entropy[inv], z_arg[inv]  # [c, Vd], [c], [c]
+            kls.append(neg_entropy - torch.linalg.vecdot(p, log_q))  # [c]
+            hits.append(logits.argmax(-1) == z_arg)  # [c]
             if want_x or want_w:
-                w = weight[start:stop].to(log_q.dtype)[:, None]  # [c, 1]
-                g = log_q.exp_().sub_(p).mul_(w)  # [c, Vd] d loss / d logits, over log_q
+                w = weight[start:stop] if order is None else weight.index_select(0, elems)  # [c]
+                w = w.to(acc)[:, None]  # [c, 1], applied to the [c, H] side (not the [c, Vd] one)
+                g = log_q.exp_().sub_(p).to(cdt)  # [c, Vd] d KL / d logits, over log_q
                 del p
-                cdt = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.get_autocast_dtype(
-                    x.device.type
-                )
-                g = g.to(cdt)
                 if grad_x is not None:
-                    grad_x[start:stop] = (g @ head.to(cdt)).to(x.dtype)  # [c, H]
+                    gx = (mm_nt(g, head.to(cdt).t()) * w).to(x.dtype)  # [c, H]
+                    if order is None:
+                        grad_x[start:stop] = gx
+                    else:
+                        grad_x.index_copy_(0, elems, gx)
                 if grad_w is not None:
-                    grad_w.add_(g.t() @ x[start:stop].to(cdt))  # [Vd, H]
-        kl_all = torch.cat(kls) if kls else x.new_zeros(0, dtype=torch.float32)  # [M]
-        loss_sum = (weight.to(kl_all.dtype) * kl_all).sum()
+                    grad_w.add_(mm_nt(g.t(), (rows * w).to(cdt).t()))  # [Vd, H]
+        kl_all = torch.cat(kls) if kls else x.new_zeros(0, dtype=torch.float32)  # [M], visiting order
         hit_all = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=x.device)
+        if order is not None:  # back to element order
+            kl_all = torch.empty_like(kl_all).index_copy_(0, order, kl_all)
+            hit_all = torch.empty_like(hit_all).index_copy_(0, order, hit_all)
+        loss_sum = (weight.to(kl_all.dtype) * kl_all).sum()
         ctx.mark_non_differentiable(hit_all)
         ctx.save_for_backward(
             grad_x if grad_x is not None else x.new_empty(0),
