@@ -7,15 +7,22 @@ Each setting runs ONE optimizer step in a fresh process (`--child S`) and report
     fp32 weights, gradients and AdamW moments, the same in both);
   * `step_peak_ratio`: what the step adds on top of the process before the step (the part
     partitioning acts on: activations, masks, logits), S=4 / S=1.
+Each child also reports where its peak sits: `ru_maxrss` (the exact high-water mark) is read at phase
+markers (`PhaseMarks`), so `peak_phase` is the phase during which the final peak was reached
+(`unit3.forward` = the 4th unit's forward incl. the fused head, `unit3.backward`, ...), and `phases`
+lists (phase, RSS at its end, high-water mark at its end). The fixed part is broken down into
+`rss_start_mb` (interpreter + torch + transformers), parameter and data bytes and the optimizer state
+after the step. `--steps N` runs N optimizer steps (different COD draws) and reports the peak over all.
 Target: <= 0.5. Writes bench/results/partition_memory.json.
 
-    .venv/bin/python -m bench.bench_partition_memory [--seq-len 2048] [--segments 4]
+    .venv/bin/python -m bench.bench_partition_memory [--seq-len 2048] [--segments 4] [--steps 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -32,10 +39,63 @@ K, R, R_MIN, VD, LAYERS = 8, 0.7, 0.2, 8192, 2
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB (high-water mark)
 
 
-def child(data_file: Path, segments: int, threads: int) -> dict:
+def _current_rss_mb() -> float:
+    with Path("/proc/self/statm").open() as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PhaseMarks:
+    """RSS and high-water mark at phase boundaries of the trainer's step (hooks, no sampling thread).
+
+    Phases: `unitI.build` (up to unit I's forward: the unit's mask / inputs), `unitI.forward` (draft +
+    fused head), `unitI.backward`, `unitI.release` (`peagle.train.step.release_free_memory`, S > 1
+    only), `clip` (sparse all-reduce + clipping), `optimizer` (the step).
+    """
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float, float]] = []
+        self.unit = -1
+
+    def mark(self, phase_ended: str) -> None:
+        self.marks.append((phase_ended, round(_current_rss_mb(), 1), round(_rss_mb(), 1)))
+
+    def install(self, trainer: object) -> None:
+        import peagle.train.step as step_mod
+
+        def pre_forward(*_: object) -> None:
+            self.unit += 1
+            self.mark(f"unit{self.unit}.build")
+
+        trainer.objective.register_forward_pre_hook(pre_forward)  # type: ignore[attr-defined]
+        trainer.objective.register_forward_hook(lambda *_: self.mark(f"unit{self.unit}.forward"))  # type: ignore[attr-defined]
+        coalesce, release = step_mod.coalesce_embedding_grad, step_mod.release_free_memory
+
+        def marked_coalesce(draft: object) -> None:  # called right after every unit's backward
+            self.mark(f"unit{self.unit}.backward")
+            coalesce(draft)
+
+        def marked_release() -> bool:  # after the backward, only when partitioning
+            out = release()
+            self.mark(f"unit{self.unit}.release")
+            return out
+
+        # both are looked up at call time by run_micro_batch
+        step_mod.coalesce_embedding_grad = marked_coalesce  # type: ignore[assignment]
+        step_mod.release_free_memory = marked_release  # type: ignore[assignment]
+        trainer.optimizer.register_step_pre_hook(lambda *_: self.mark("clip"))  # type: ignore[attr-defined]
+        trainer.optimizer.register_step_post_hook(lambda *_: self.mark("optimizer"))  # type: ignore[attr-defined]
+
+    def peak_phase(self) -> str:
+        """The phase at whose end the high-water mark first reached its final value."""
+        final = max(m[2] for m in self.marks)
+        return next(name for name, _, high in self.marks if high >= final)
+
+
+def child(data_file: Path, segments: int, threads: int, steps: int = 1) -> dict:
+    rss_start = _current_rss_mb()
     from transformers import AutoConfig
 
     from bench.bench_train_step import FixedSource
@@ -71,15 +131,28 @@ def child(data_file: Path, segments: int, threads: int) -> dict:
         "resources": {"device": "cpu"},
     })
     sink = RecordingSink()
-    trainer = Trainer(spec, draft, FixedSource(batch, 1), sink=sink)
+    trainer = Trainer(spec, draft, FixedSource(batch, steps), sink=sink)
+    marks = PhaseMarks()
+    marks.install(trainer)
     before = _rss_mb()
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
     peak = _rss_mb()
-    loss = [r for r in sink.records if r["type"] == "metric"][-1]["values"]["loss"]
-    return {"segments": segments, "rss_before_step_mb": before, "peak_rss_mb": peak,
-            "step_peak_mb": peak - before, "step_seconds": seconds, "loss": loss}
+    loss = next(r for r in sink.records if r["type"] == "metric")["values"]["loss"]
+    mb = 2.0**-20
+    state = [v for st in trainer.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {
+        "segments": segments, "steps": steps, "rss_before_step_mb": before, "peak_rss_mb": peak,
+        "step_peak_mb": peak - before, "step_seconds": seconds / steps, "loss": loss,
+        "peak_phase": marks.peak_phase(), "phases": marks.marks,
+        "fixed": {
+            "rss_start_mb": round(rss_start, 1),  # interpreter + torch (bench module imports)
+            "params_mb": round(sum(p.numel() * p.element_size() for p in draft.parameters()) * mb, 1),
+            "data_mb": round(sum(v.numel() * v.element_size() for v in batch.values()) * mb, 1),
+            "optimizer_state_mb": round(sum(v.numel() * v.element_size() for v in state) * mb, 1),
+        },
+    }
 
 
 def main() -> int:
@@ -87,11 +160,12 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--segments", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps per setting (peak over all)")
     ap.add_argument("--child", type=int, default=0)
     ap.add_argument("--data")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(Path(args.data), args.child, args.threads)))
+        print(json.dumps(child(Path(args.data), args.child, args.threads, args.steps)))
         return 0
     from transformers import AutoTokenizer
 
@@ -108,7 +182,7 @@ def main() -> int:
         for s in (1, args.segments):
             out = subprocess.run(
                 [sys.executable, "-m", "bench.bench_partition_memory", "--child", str(s), "--data", str(data_file),
-                 "--threads", str(args.threads)],
+                 "--threads", str(args.threads), "--steps", str(args.steps)],
                 capture_output=True, text=True, check=True, cwd=ROOT,
             )
             runs[s] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -116,7 +190,8 @@ def main() -> int:
     result = {
         "setting": {"seq_len": args.seq_len, "num_depths": K, "r": R, "r_min": R_MIN, "segments": args.segments,
                     "draft_layers": LAYERS, "draft_vocab": VD, "sharegpt_index": conv_index,
-                    "supervised_tokens": int(s_mask.sum()), "threads": args.threads, "device": "cpu"},
+                    "supervised_tokens": int(s_mask.sum()), "threads": args.threads, "device": "cpu",
+                    "steps": args.steps},
         "runs": {str(k): v for k, v in runs.items()},
         "peak_rss_ratio": many["peak_rss_mb"] / one["peak_rss_mb"],
         "step_peak_ratio": many["step_peak_mb"] / one["step_peak_mb"],
@@ -129,9 +204,10 @@ def main() -> int:
     out_path = ROOT / "bench" / "results" / "partition_memory.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
-    print(f"S=1 peak {one['peak_rss_mb']:.0f} MB (step +{one['step_peak_mb']:.0f} MB), "
-          f"S={args.segments} peak {many['peak_rss_mb']:.0f} MB (step +{many['step_peak_mb']:.0f} MB): "
-          f"peak ratio {result['peak_rss_ratio']:.3f}, step ratio {result['step_peak_ratio']:.3f} (target <= 0.5)")
+    print(f"S=1 peak {one['peak_rss_mb']:.0f} MB (step +{one['step_peak_mb']:.0f} MB, in {one['peak_phase']}), "
+          f"S={args.segments} peak {many['peak_rss_mb']:.0f} MB (step +{many['step_peak_mb']:.0f} MB, "
+          f"in {many['peak_phase']}): peak ratio {result['peak_rss_ratio']:.3f}, "
+          f"step ratio {result['step_peak_ratio']:.3f} (target <= 0.5)")
     return 0
 
 

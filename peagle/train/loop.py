@@ -33,8 +33,8 @@ from peagle.train.checkpoint import (
     save_checkpoint,
     step_dirname,
 )
-from peagle.train.ddp import DistContext, wrap_ddp
-from peagle.train.optim import build_optimizer, build_scheduler, total_steps, zero_grads
+from peagle.train.ddp import DistContext, all_reduce_row_grads, wrap_ddp
+from peagle.train.optim import build_optimizer, build_scheduler, clip_grad_norm, total_steps
 from peagle.train.progress import NullSink, ProgressSink
 from peagle.train.signals import GracefulShutdown
 from peagle.train.step import (
@@ -126,6 +126,7 @@ class Trainer:
             attention=select_attention(self.device, r.attention),
             autocast_dtype=torch.bfloat16 if bf16 else None,
             seed=o.seed,
+            release_memory=p.sequence_partitions > 1,  # partitioning = trading time for memory
         )
         draft.set_trainable(freeze_embeddings=spec.draft.freeze_embeddings, freeze_lm_head=spec.draft.freeze_lm_head)
         draft.gradient_checkpointing = p.gradient_checkpointing
@@ -168,7 +169,10 @@ class Trainer:
                 was saved when `run_dir` is set).
         """
         self._maybe_resume()
-        model = wrap_ddp(self.objective, self.dist)
+        embed = self.draft.embed_tokens.weight
+        # the sparse embedding gradient is averaged by all_reduce_row_grads, not by DDP's dense buckets
+        row_params = ["draft.embed_tokens.weight"] if embed.requires_grad else []
+        model = wrap_ddp(self.objective, self.dist, row_params=row_params)
         result = TrainResult(step=self.step, total_steps=self.total_steps)
         self.sink.event("phase", phase="training", message=f"training {self.total_steps} steps from step {self.step}")
         every = self.spec.checkpoints.every_steps
@@ -214,12 +218,14 @@ class Trainer:
             )
         t0 = time.perf_counter()
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        clip = self.spec.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf"), foreach=True)
+        embed = self.draft.embed_tokens.weight
+        all_reduce_row_grads([embed] if embed.requires_grad else [], self.dist)
+        # the norm counts the sparse embedding rows exactly (torch's clip_grad_norm_ takes no sparse grad)
+        grad_norm = clip_grad_norm(params, self.spec.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
-        zero_grads(self.optimizer, keep=[self.draft.embed_tokens.weight])
+        self.optimizer.zero_grad(set_to_none=True)
         times.optimizer = time.perf_counter() - t0
         self.step += 1
         vec = torch.cat([sums.stacked().cpu(), torch.tensor([float(tokens)], dtype=torch.float64)])
