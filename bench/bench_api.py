@@ -162,6 +162,8 @@ def load_main(argv: list[str]) -> None:
     else:
         res = asyncio.run(_sse_load(a.url, a.key, a.job, a.clients, a.ready_file))
     res["loadgen_cpu_s"] = time.process_time() - c0
+    if a.mode in ("list", "post"):  # near 1.0: the Python load generator, not the server, set the pace
+        res["loadgen_cpu_share_of_a_core"] = res["loadgen_cpu_s"] / a.duration
     sys.stdout.write(json.dumps(res) + "\n")
 
 
@@ -463,8 +465,10 @@ def verdicts(res: dict[str, Any]) -> str:
         return "PASS" if flag else "FAIL"
 
     def cpu(r: dict[str, Any]) -> str:
+        gen = r.get("loadgen_cpu_share_of_a_core")
         return (f"server CPU {r['server_cpu_ms_per_request']:.2f} ms/req, PostgreSQL "
-                f"{r['postgres_cpu_ms_per_request']:.2f} ms/req, load {r['loadavg_after']:.2f}")
+                f"{r['postgres_cpu_ms_per_request']:.2f} ms/req, load {r['loadavg_after']:.2f}"
+                + ("" if gen is None else f", load generator busy {gen:.0%} of a core"))
 
     if "list_wrk" in res:
         r = res["list_wrk"]

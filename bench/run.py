@@ -52,7 +52,9 @@ def main() -> int:
         name = script.stem.removeprefix("bench_")
         print(f"==> {name}", flush=True)
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", f"bench.{script.stem}"], cwd=ROOT)
+        # the oneDNN kernel-cache bounds `python -m peagle` sets for training runs (see peagle/__main__.py)
+        env = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **os.environ}
+        proc = subprocess.run([sys.executable, "-m", f"bench.{script.stem}"], cwd=ROOT, env=env)
         print(f"    ({time.time() - t0:.0f} s, exit {proc.returncode})", flush=True)
         if proc.returncode != 0:
             failures.append(name)
