@@ -16,6 +16,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from peagle import ONEDNN_CACHE_BOUNDS  # noqa: E402 - after the checkout is on the path
+
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -53,7 +57,7 @@ def main() -> int:
         print(f"==> {name}", flush=True)
         t0 = time.time()
         # the oneDNN kernel-cache bounds `python -m peagle` sets for training runs (see peagle/__main__.py)
-        env = {"LRU_CACHE_CAPACITY": "64", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", **os.environ}
+        env = {**ONEDNN_CACHE_BOUNDS, **os.environ}
         proc = subprocess.run([sys.executable, "-m", f"bench.{script.stem}"], cwd=ROOT, env=env)
         print(f"    ({time.time() - t0:.0f} s, exit {proc.returncode})", flush=True)
         if proc.returncode != 0:

@@ -9,7 +9,9 @@ bench, S=4, T=2048) and kept climbing. A value already in the environment wins.
 
 import os
 
-for _name, _value in (("LRU_CACHE_CAPACITY", "64"), ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")):
+from peagle import ONEDNN_CACHE_BOUNDS
+
+for _name, _value in ONEDNN_CACHE_BOUNDS.items():
     os.environ.setdefault(_name, _value)
 
 from peagle.cli import main  # noqa: E402 - after the cache bounds, before anything imports torch
