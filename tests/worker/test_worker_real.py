@@ -99,7 +99,9 @@ def test_end_to_end_embedded_download_and_pause_resume(make_stack, api):
     stack.start_worker()
     client = api(stack)
     # one short AL measurement at the end (the checkpoints table must show it)
-    with_al = {**OVERRIDES, "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 1}], "max_new_tokens": 4}}
+    # 24 steps: B must still be training when the pause arrives (the trainer got fast enough to finish 6 first)
+    with_al = {**OVERRIDES, "optim": {"max_steps": 24, "epochs": 50}, "checkpoints": {"every_steps": 6},
+               "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 1}], "max_new_tokens": 4}}
     job_a, job_b = submit(client, with_al), submit(client, with_al)
     stack.wait(job_b, lambda j: (j.progress or {}).get("step", 0) >= 1 and j.status == "running", 120, "B training")
     r = client.post(f"/v1/jobs/{job_b}/pause")
@@ -189,7 +191,8 @@ def test_cancel_running_and_invalid_data(make_stack, api, tmp_path):
     assert "line 3" in job.error_message and job.error_retryable is False
     assert job.phase in ("validating", "preparing_data", "building_vocab")
 
-    job_id = submit(client)
+    # a run far longer than the test (it is cancelled): a short one can end between two polls
+    job_id = submit(client, {**OVERRIDES, "optim": {"max_steps": 100_000, "epochs": 1000}})
     pid = trainer_pid(stack, job_id, 0)
     stack.wait(job_id, lambda j: j.phase == "training", 120, "training")
     r = client.post(f"/v1/jobs/{job_id}/cancel")
@@ -257,8 +260,8 @@ def test_postgres_redis_end_to_end_survives_redis_restart(make_stack, api, postg
         stack.start_worker()
         client = api(stack)
         # long enough that training is still running when Redis comes back, even on a quiet machine
-        job_id = submit(client, {**OVERRIDES, "optim": {"max_steps": 80, "epochs": 50},
-                                 "checkpoints": {"every_steps": 20}})
+        job_id = submit(client, {**OVERRIDES, "optim": {"max_steps": 400, "epochs": 1000},
+                                 "checkpoints": {"every_steps": 100}})
         wakeups, stop = [], threading.Event()
 
         def listen():  # a live-channel listener that reconnects, as the API's does
