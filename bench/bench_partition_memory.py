@@ -9,7 +9,9 @@ Each setting runs ONE optimizer step in a fresh process (`--child S`) and report
     partitioning acts on: activations, masks, logits), S=4 / S=1.
 Each child also reports where its peak sits: `ru_maxrss` (the exact high-water mark) is read at phase
 markers (`PhaseMarks`), so `peak_phase` is the phase during which the final peak was reached
-(`unit3.forward` = the 4th unit's forward incl. the fused head, `unit3.backward`, ...), and `phases`
+(`unit3.forward` = the 4th unit's forward incl. the fused head, `unit3.backward`, ...; with S > 1 the
+units run from the last segment down to segment 0, and `unit0.build` includes the row's no-grad
+depth-0 context pass, see `peagle.train.step`), and `phases`
 lists (phase, RSS at its end, high-water mark at its end). The fixed part is broken down into
 `rss_start_mb` (interpreter + torch + transformers), parameter and data bytes and the optimizer state
 after the step. `--steps N` runs N optimizer steps (different COD draws) and reports the peak over all.

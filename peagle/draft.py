@@ -49,6 +49,8 @@ from peagle.errors import TargetLoadError
 __all__ = [
     "AttentionBackend",
     "DraftConfig",
+    "KVCarry",
+    "LayerKV",
     "PEagleAttention",
     "PEagleDraft",
     "PEagleFirstLayer",
@@ -219,34 +221,35 @@ GROUP_MIN_ELEMENTS = 512  # below this one SDPA call is as fast
 
 
 def group_queries(mask: Tensor, position_ids: Tensor, *, group_size: int | None = None) -> QueryGroups | None:
-    """Cut a dense `[N, N]` (or `[1, N, N]` / `[1, 1, N, N]`) mask into `QueryGroups`.
+    """Cut a dense `[Nq, Nk]` (or `[1, Nq, Nk]` / `[1, 1, Nq, Nk]`) mask into `QueryGroups`.
 
     Args:
-        mask: bool (True = visible) or additive float (-inf = hidden) mask.
-        position_ids: `[N]` (or `[1, N]`) positions; queries are grouped in position order, which
+        mask: bool (True = visible) or additive float (-inf = hidden) mask; Nq < Nk when the keys start
+            with carried context keys (`KVCarry.past`).
+        position_ids: `[Nq]` (or `[1, Nq]`) positions of the queries; queries are grouped in position order, which
             keeps each group's visible keys few for COD rows (any order is correct, only slower).
         group_size: queries per group (default `GROUP_QUERIES`).
 
     Returns:
-        The groups, or None when N < `GROUP_MIN_ELEMENTS` or grouping would not save a fifth of the work.
+        The groups, or None when Nq and Nk < `GROUP_MIN_ELEMENTS` or grouping would not save a fifth of the work.
     """
     if mask.dim() > 2 and any(int(x) != 1 for x in mask.shape[:-2]):
         return None
-    m = mask.reshape(mask.shape[-2], mask.shape[-1])  # [N, N]
-    n = m.shape[0]
-    if n < GROUP_MIN_ELEMENTS or m.shape[1] != n:
+    m = mask.reshape(mask.shape[-2], mask.shape[-1])  # [Nq, Nk]
+    n, nk = m.shape
+    if n < GROUP_MIN_ELEMENTS and nk < GROUP_MIN_ELEMENTS:
         return None
-    order = torch.argsort(position_ids.reshape(-1), stable=True)  # [N]
+    order = torch.argsort(position_ids.reshape(-1), stable=True)  # [Nq]
     groups, work = [], 0
     for q_idx in torch.split(order, group_size or GROUP_QUERIES):
-        rows = m.index_select(0, q_idx)  # [n_g, N]
+        rows = m.index_select(0, q_idx)  # [n_g, Nk]
         visible = rows if rows.dtype == torch.bool else rows != float("-inf")
         k_idx = torch.nonzero(visible.any(0)).reshape(-1)  # [k_g]
         if k_idx.numel() == 0:  # a group of rows that see nothing: keep SDPA's behaviour on them
-            k_idx = torch.arange(n, device=m.device)
+            k_idx = torch.arange(nk, device=m.device)
         groups.append((q_idx, k_idx, rows.index_select(1, k_idx)))
         work += q_idx.numel() * k_idx.numel()
-    if work > 0.8 * n * n:
+    if work > 0.8 * n * nk:
         return None
     return QueryGroups(groups=groups, inverse=torch.argsort(order))
 
@@ -303,6 +306,71 @@ def _any_visible(mask: Tensor) -> bool:
     return bool(mask.any()) if mask.dtype == torch.bool else bool((mask != float("-inf")).any())
 
 
+class _InjectGrad(torch.autograd.Function):
+    """Identity on `x [B, nkv, n, hd]` whose backward adds `g [B, nkv, m, hd]` (m <= n) to the gradient
+    of the first m rows: gradient that later forwards sent to these keys / values (`KVCarry.inject`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, g: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(g)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (g,) = ctx.saved_tensors
+        out = grad.clone()
+        out[:, :, : g.shape[2]] += g.to(out.dtype)
+        return out, None
+
+
+@dataclass(eq=False)
+class KVCarry:
+    """Keys / values carried between the forwards of one sequence-partitioned row (decision 9).
+
+    Every attention layer `l` uses its entry of each list that is set:
+
+    Attributes:
+        capture: each layer appends its post-RoPE `(k, v)` `[B, nkv, N, hd]` (detached): the no-grad
+            pass over a row's depth-0 context.
+        past: per layer `(k, v)` `[B, nkv, Nc, hd]` of Nc context keys placed BEFORE this forward's own
+            keys (the mask is then `[N, Nc + N]`); leaf tensors, so their `.grad` after the backward is
+            the gradient the loss sends to the context.
+        inject: per layer `(gk, gv)` `[B, nkv, m, hd]`: gradient added to the post-RoPE keys / values
+            of this forward's first m elements (what later forwards sent to them through `past`).
+    """
+
+    capture: list[tuple[Tensor, Tensor]] | None = None
+    past: list[tuple[Tensor, Tensor]] | None = None
+    inject: list[tuple[Tensor, Tensor]] | None = None
+
+    def layer(self, i: int) -> LayerKV:
+        """The view of layer `i`."""
+        return LayerKV(
+            capture=self.capture,
+            past=self.past[i] if self.past is not None else None,
+            inject=self.inject[i] if self.inject is not None else None,
+        )
+
+
+@dataclass(eq=False)
+class LayerKV:
+    """One layer's share of a `KVCarry`."""
+
+    capture: list[tuple[Tensor, Tensor]] | None
+    past: tuple[Tensor, Tensor] | None
+    inject: tuple[Tensor, Tensor] | None
+
+    def apply(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Own post-RoPE `k, v [B, nkv, N, hd]` -> the keys / values attention runs over."""
+        if self.capture is not None:
+            self.capture.append((k.detach(), v.detach()))
+        if self.inject is not None:
+            k, v = _InjectGrad.apply(k, self.inject[0]), _InjectGrad.apply(v, self.inject[1])
+        if self.past is not None:
+            k, v = torch.cat([self.past[0], k], dim=2), torch.cat([self.past[1], v], dim=2)  # [B, nkv, Nc+N, hd]
+        return k, v
+
+
 class PEagleAttention(nn.Module):
     """Llama attention with an explicit mask; `input_size` is 2H for the fused first layer, H otherwise."""
 
@@ -316,14 +384,16 @@ class PEagleAttention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
         self.kernel_cache: dict[str, Any] = {}
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0) -> Tensor:
-        """x [B, N, Din], cos/sin [B, N, hd] -> [B, N, H] (`prefix`: see `attend`)."""
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0, kv: LayerKV | None = None
+    ) -> Tensor:
+        """x [B, N, Din], cos/sin [B, N, hd] -> [B, N, H] (`prefix`: see `attend`; `kv`: see `KVCarry`)."""
         q, k, v = (linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self._attend(q, k, v, cos, sin, attn_mask, prefix)
+        return self._attend(q, k, v, cos, sin, attn_mask, prefix, kv)
 
     def forward_rows(
         self, x: Tensor, real: Tensor, shape: tuple[int, int], cos: Tensor, sin: Tensor, attn_mask: AttnMask,
-        prefix: int = 0,
+        prefix: int = 0, kv: LayerKV | None = None,
     ) -> Tensor:
         """`forward` of a [B, N] input given as its distinct rows: `x` [R+1, Din] holds the rows at the
         flat indices `real` [R] (into B*N), then ONE row that every other slot equals. Each distinct row is
@@ -335,10 +405,11 @@ class PEagleAttention(nn.Module):
             return y[-1:].expand(b * n, y.shape[-1]).index_copy(0, real, y[:-1]).view(b, n, -1)  # [B, N, d]
 
         return self._attend(project(self.q_proj), project(self.k_proj), project(self.v_proj), cos, sin, attn_mask,
-                            prefix)
+                            prefix, kv)
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int,
+        kv: LayerKV | None = None,
     ) -> Tensor:
         """Projections q [B, N, nh*hd], k/v [B, N, nkv*hd] -> RoPE, masked attention, o_proj -> [B, N, H]."""
         b, n, _ = q.shape
@@ -346,6 +417,8 @@ class PEagleAttention(nn.Module):
         k = k.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, N, hd]
         v = v.view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if kv is not None:
+            k, v = kv.apply(k, v)  # [B, nkv, Nc + N, hd] with carried context keys
         out = attend(q, k, v, attn_mask, self.kernel_cache, prefix)  # [B, nh, N, hd]
         return linear(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), self.o_proj.weight)
 
@@ -378,7 +451,7 @@ class PEagleFirstLayer(nn.Module):
 
     def forward(
         self, emb: Tensor, hid: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0,
-        shared: tuple[Tensor, Tensor] | None = None,
+        shared: tuple[Tensor, Tensor] | None = None, kv: LayerKV | None = None,
     ) -> Tensor:
         """emb, hid [B, N, H] -> [B, N, H].
 
@@ -388,14 +461,14 @@ class PEagleFirstLayer(nn.Module):
         """
         if shared is None:
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hid)], dim=-1)  # [B, N, 2H]
-            attn = self.self_attn(x, cos, sin, attn_mask, prefix)
+            attn = self.self_attn(x, cos, sin, attn_mask, prefix, kv)
         else:
             real, rep = shared
             b, n, h = hid.shape
             idx = torch.cat([real, rep])  # [R+1]
             rows = [norm(t.reshape(b * n, h).index_select(0, idx)) for norm, t in
                     ((self.input_layernorm, emb), (self.hidden_norm, hid))]
-            attn = self.self_attn.forward_rows(torch.cat(rows, dim=-1), real, (b, n), cos, sin, attn_mask, prefix)
+            attn = self.self_attn.forward_rows(torch.cat(rows, dim=-1), real, (b, n), cos, sin, attn_mask, prefix, kv)
         x = hid + attn  # un-normalised residual
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -410,9 +483,11 @@ class PEagleLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0, kv: LayerKV | None = None
+    ) -> Tensor:
         """x [B, N, H] -> [B, N, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, prefix)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, prefix, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -474,6 +549,7 @@ class PEagleDraft(nn.Module):
         is_masked: Tensor,
         position_ids: Tensor,
         attn_mask: AttnMask,
+        kv: KVCarry | None = None,
     ) -> Tensor:
         """Run the draft over one flat COD sequence (or any sequence with an explicit mask).
 
@@ -485,7 +561,9 @@ class PEagleDraft(nn.Module):
             position_ids: [B, N] int64 RoPE positions (anchor + depth).
             attn_mask: dense bool [N, N] / [B, N, N] (True = visible; SDPA path), the same as an additive
                 float mask in the query dtype (faster: one mask for all layers), `QueryGroups` of such a
-                mask (built here from a dense mask when B = 1), or a flex `BlockMask`.
+                mask (built here from a dense mask when B = 1), or a flex `BlockMask`. With `kv.past`
+                the keys are the Nc carried context keys followed by the N own ones: `[N, Nc + N]`.
+            kv: keys / values carried between the forwards of a partitioned row (`KVCarry`).
 
         Returns:
             [B, N, H] hidden states BEFORE the final norm (`compute_logits` applies norm + lm_head).
@@ -505,7 +583,7 @@ class PEagleDraft(nn.Module):
         prefix = 0
         if isinstance(attn_mask, Tensor) and b == 1:  # dense mask: block-sparse SDPA by query groups
             attn_mask = group_queries(attn_mask, position_ids) or attn_mask
-        if isinstance(attn_mask, Tensor):
+        if isinstance(attn_mask, Tensor) and (kv is None or kv.past is None):
             # leading real slots (the depth-0 block of a COD row) let `attend` split the dense attention
             prefix = int((is_masked.long().cumsum(-1) == 0).sum(-1).min())
         # every masked slot has the same first-layer input (mask token, mask_hidden): project it once
@@ -513,7 +591,8 @@ class PEagleDraft(nn.Module):
         shared = (real, masked[:1]) if masked.numel() else None
         x = hid
         for i, layer in enumerate(self.layers):
-            args = (emb, hid, cos, sin, attn_mask, prefix, shared) if i == 0 else (x, cos, sin, attn_mask, prefix)
+            lkv = kv.layer(i) if kv is not None else None
+            args = (emb, hid, cos, sin, attn_mask, prefix, shared, lkv) if i == 0 else (x, cos, sin, attn_mask, prefix, lkv)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:

@@ -26,6 +26,11 @@ owns the other 13 and its input adds the depth-0 context with segment <= 1, i.e.
 (not owned, weight 0): 17 elements. Each owned query only sees depth-0 anchors <= its own anchor and its
 own chain, all of which are in its segment's input (closure), so the hidden states are identical to the
 flat forward and the segment losses sum to the flat loss.
+
+The loop above is the plain form (NeMo's phase 3: the context is recomputed with grad in every
+segment). The trainer computes the same gradients with less memory: it forwards each segment's owned
+elements only and carries the depth-0 context's keys / values and their gradients between segments
+(`peagle.train.step`, `peagle.draft.KVCarry`, `block_mask_for(..., query_offset=)`).
 """
 
 from __future__ import annotations
@@ -215,10 +220,22 @@ def mask_for(row: FlatRow, *, pad_self: bool = True) -> Tensor:
     return dense_mask_from_element_docs(row.anchor_pos, row.depth, row.doc, pad_self=pad_self)
 
 
-def block_mask_for(row: FlatRow, *, block_size: int = 128) -> BlockMask:
-    """Flex-attention `BlockMask` of a (segment) row on the row's device (use on CUDA)."""
+def block_mask_for(row: FlatRow, *, block_size: int = 128, query_offset: int = 0) -> BlockMask:
+    """Flex-attention `BlockMask` of a (segment) row on the row's device (use on CUDA).
+
+    `query_offset` = Nc > 0: only the elements from Nc on are queries (the first Nc are carried context
+    keys, `peagle.draft.KVCarry.past`): a `[N - Nc, N]` mask.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = row.num_elements
     mod = mask_mod_from_element_docs(row.anchor_pos, row.depth, row.doc)
-    return create_block_mask(mod, None, None, n, n, device=row.anchor_pos.device, BLOCK_SIZE=block_size)
+    if query_offset:
+        base = mod
+
+        def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return base(b, h, q_idx + query_offset, kv_idx)
+
+    return create_block_mask(
+        mod, None, None, n - query_offset, n, device=row.anchor_pos.device, BLOCK_SIZE=block_size
+    )

@@ -5,10 +5,20 @@ Per micro-batch (peagle.md 1.12, decisions 5 and 9):
 1. each row draws its COD elements ONCE, from a `torch.Generator` seeded by (seed, epoch, index, row),
    so a resumed run and every segment see the same draw;
 2. ONE loss denominator for the micro-batch: the supervised elements of all its rows (all ranks);
-3. every row is split into S segments (`peagle.flat.plan_segments`); a segment that owns no supervised
-   element is skipped; each remaining segment ("unit") runs one forward (through `DraftObjective`, the
-   module DDP wraps) and one backward of `loss_sum * scale`. Gradients add up to those of the flat
-   forward (S = 1 is the single flat forward);
+3. every row is split into S segments (`peagle.flat.plan_segments`, the closed form of 1.12); each
+   segment ("unit") runs one forward (through `DraftObjective`, the module DDP wraps) and one backward of
+   `loss_sum * scale`. Gradients add up to those of the flat forward (S = 1 is the single flat forward).
+   With S > 1 the depth-0 context is CARRIED instead of recomputed with grad (1.12 phase 3 as NeMo
+   does it keeps all T depth-0 elements' activations alive in the last segment, ~0.5x of S = 1 at K=8):
+   one no-grad forward over the row's depth-0 elements (a causal prefix of every segment) records every
+   layer's post-RoPE keys / values; the segments then run from the last one that owns a supervised
+   element down to segment 0, each forwarding ONLY its owned elements, which attend to the context
+   through those keys / values as leaf tensors. Each backward's gradient on the context keys / values
+   is added into per-row buffers and injected into the keys / values of the depth-0 elements when the
+   segment that owns them runs (`peagle.draft.KVCarry`), so a segment that owns nothing supervised still
+   runs when later ones depended on it. Every element is forwarded with grad exactly once; exactness is
+   tested against S = 1 (decision 9). Forward-only (evaluation) units keep the recompute form and skip
+   segments that own nothing supervised;
 4. only the supervised elements of a unit go through the final norm, `lm_head` and the KL, fused in row
    chunks (`peagle.loss.head_loss_sums`: no [m, Vd] tensor).
 
@@ -39,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from peagle.cod import sample_cod
-from peagle.draft import PEagleDraft, group_queries
+from peagle.draft import KVCarry, PEagleDraft, group_queries
 from peagle.flat import (
     FlatRow,
     block_mask_for,
@@ -47,6 +57,7 @@ from peagle.flat import (
     mask_for,
     plan_segments,
     segment_row,
+    subset_row,
 )
 from peagle.loss import CodMetrics, head_loss_sums
 from peagle.mask import additive_mask, check_dense_fits
@@ -126,6 +137,7 @@ class UnitInputs:
     target_index: Tensor
     weight: Tensor
     depth: Tensor
+    kv: KVCarry | None = None
 
 
 class DraftObjective(nn.Module):
@@ -145,7 +157,12 @@ class DraftObjective(nn.Module):
             else contextlib.nullcontext()
         )
         with ctx:
-            hidden = self.draft(unit.input_ids, unit.aux, unit.is_masked, unit.position_ids, unit.attn_mask)
+            hidden = self.draft(unit.input_ids, unit.aux, unit.is_masked, unit.position_ids, unit.attn_mask,
+                                kv=unit.kv)
+            if unit.sel.numel() == 0:
+                # a carried segment that owns nothing supervised: its backward still has to pass on the
+                # gradient later segments sent to its keys / values (`KVCarry.inject`)
+                return hidden.sum() * 0.0, CodMetrics.zeros(self.num_depths, device=dev)
             x = self.draft.norm(hidden[0].index_select(0, unit.sel))  # [m, H]
             # lm_head + KL fused in row chunks: no [m, Vd] logits / probability tensor is materialised
             return head_loss_sums(
@@ -197,30 +214,118 @@ def _unit_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[tu
     return out
 
 
-def _build_unit(batch: dict[str, Tensor], b: int, sub: FlatRow, settings: StepSettings) -> UnitInputs:
+def _unit_mask(sub: FlatRow, settings: StepSettings, n_ctx: int = 0) -> Any:
+    """The attention mask of a unit whose queries are `sub`'s elements from `n_ctx` on: `[n - n_ctx, n]`."""
     if settings.attention == "sdpa":
         check_dense_fits(sub.num_elements)
         # ONE additive float mask shared by every layer (and their backward): SDPA would otherwise turn
         # the bool mask into a float copy per layer and keep each for backward
-        mask: Any = additive_mask(mask_for(sub), settings.autocast_dtype or torch.float32)  # [n, n]
-        # cut into query groups here, so the full [n, n] mask is freed before the forward
-        mask = group_queries(mask, sub.ref_pos) or mask
-    else:
-        mask = block_mask_for(sub)
-    sel = torch.nonzero(sub.weight > 0).reshape(-1)  # [m]
-    ref_sel = sub.ref_pos.index_select(0, sel)  # [m]
+        mask: Any = additive_mask(mask_for(sub)[n_ctx:], settings.autocast_dtype or torch.float32)
+        # cut into query groups here, so the full mask is freed before the forward
+        return group_queries(mask, sub.ref_pos[n_ctx:]) or mask
+    return block_mask_for(sub, query_offset=n_ctx)
+
+
+def _build_unit(
+    batch: dict[str, Tensor], b: int, sub: FlatRow, settings: StepSettings, n_ctx: int = 0,
+    kv: KVCarry | None = None,
+) -> UnitInputs:
+    """The inputs of one forward over `sub`'s elements from `n_ctx` on (the first `n_ctx` are context
+    whose keys / values come through `kv.past`)."""
+    mask = _unit_mask(sub, settings, n_ctx)
+    own = sub if n_ctx == 0 else subset_row(sub, torch.arange(n_ctx, sub.num_elements, device=sub.depth.device))
+    sel = torch.nonzero(own.weight > 0).reshape(-1)  # [m]
+    ref_sel = own.ref_pos.index_select(0, sel)  # [m]
     return UnitInputs(
-        input_ids=sub.input_ids[None],
-        aux=batch["aux"][b].index_select(0, sub.ref_pos)[None],  # [1, n, 3H]
-        is_masked=sub.is_masked[None],
-        position_ids=sub.ref_pos[None],
+        input_ids=own.input_ids[None],
+        aux=batch["aux"][b].index_select(0, own.ref_pos)[None],  # [1, n, 3H]
+        is_masked=own.is_masked[None],
+        position_ids=own.ref_pos[None],
         attn_mask=mask,
         sel=sel,
         target=batch["target_logits"][b],  # [T, Vd]
         target_index=ref_sel,
-        weight=sub.weight.index_select(0, sel),
-        depth=sub.depth.index_select(0, sel),
+        weight=own.weight.index_select(0, sel),
+        depth=own.depth.index_select(0, sel),
+        kv=kv,
     )
+
+
+@dataclass(frozen=True)
+class _CarrySpec:
+    """One segment of a partitioned row, run with carried context keys (`run_micro_batch`).
+
+    `sub` is the segment's input row (`segment_row`): its first `n_ctx` elements are the depth-0 context
+    of earlier segments (not owned), then its owned elements, the first `n_own_d0` of them at depth 0.
+    """
+
+    b: int
+    sub: FlatRow
+    n_ctx: int
+    n_own_d0: int
+    first: bool  # the first unit of its row: runs the row's context pass
+
+
+def _carry_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[_CarrySpec]:
+    """Per row, segments from the last one that owns a supervised element down to segment 0."""
+    out = []
+    for b, row in enumerate(rows):
+        segs = plan_segments(row, seq_len, num_segments)
+        subs = [segment_row(row, seg) for seg in segs]
+        charged = [s for s, sub in enumerate(subs) if bool((sub.weight > 0).any())]
+        if not charged:
+            continue
+        for s in range(max(charged), -1, -1):
+            seg, sub = segs[s], subs[s]
+            n_ctx = int((~seg.owned).sum())
+            if bool(seg.owned[:n_ctx].any()) or not bool(seg.owned[n_ctx:].all()):
+                raise RuntimeError("segment input is not [context ; owned]")  # plan_segments' order changed
+            n_own_d0 = int((sub.depth[n_ctx:] == 0).sum())
+            out.append(_CarrySpec(b, sub, n_ctx, n_own_d0, first=s == max(charged)))
+    return out
+
+
+def _context_pass(
+    draft: PEagleDraft, batch: dict[str, Tensor], b: int, row: FlatRow, settings: StepSettings
+) -> tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]:
+    """No-grad forward of row `b`'s depth-0 elements (positions 0..T-1, a causal prefix of every
+    segment): per layer the post-RoPE `(k, v)` `[1, nkv, T, hd]`, and zeroed fp32 gradient buffers of
+    the same shapes."""
+    d0 = subset_row(row, torch.nonzero(row.depth == 0).reshape(-1))
+    mask = _unit_mask(d0, settings)
+    capture: list[tuple[Tensor, Tensor]] = []
+    dev = row.depth.device
+    ctx = (
+        torch.autocast(dev.type, dtype=settings.autocast_dtype)
+        if settings.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with torch.no_grad(), ctx:
+        draft(d0.input_ids[None], batch["aux"][b].index_select(0, d0.ref_pos)[None], d0.is_masked[None],
+              d0.ref_pos[None], mask, kv=KVCarry(capture=capture))
+    grads = [(torch.zeros(k.shape, device=dev), torch.zeros(v.shape, device=dev)) for k, v in capture]
+    return capture, grads
+
+
+def _carry_inputs(
+    spec: _CarrySpec, keys: list[tuple[Tensor, Tensor]], grads: list[tuple[Tensor, Tensor]]
+) -> KVCarry:
+    nc, nd = spec.n_ctx, spec.n_own_d0
+    past = [(k[:, :, :nc].detach().requires_grad_(), v[:, :, :nc].detach().requires_grad_()) for k, v in keys]
+    inject = [(gk[:, :, nc : nc + nd], gv[:, :, nc : nc + nd]) for gk, gv in grads]
+    return KVCarry(past=past if nc else None, inject=inject if nd else None)
+
+
+def _collect_carried(kv: KVCarry | None, grads: list[tuple[Tensor, Tensor]]) -> None:
+    """Add the gradient a unit's backward sent to its context keys / values into the row's buffers."""
+    if kv is None or kv.past is None:
+        return
+    for (k, v), (gk, gv) in zip(kv.past, grads, strict=True):
+        n = k.shape[2]
+        if k.grad is not None:
+            gk[:, :, :n] += k.grad
+        if v.grad is not None:
+            gv[:, :, :n] += v.grad
 
 
 def _dummy_unit(draft: PEagleDraft, device: torch.device, attention: str) -> UnitInputs:
@@ -333,17 +438,33 @@ def run_micro_batch(
     device = batch["input_ids"].device
     seq_len = int(batch["input_ids"].shape[1])
     metrics = CodMetrics.zeros(settings.num_depths, device=device)
-    units: list[tuple[int, FlatRow] | None] = list(_unit_specs(rows, seq_len, settings.sequence_partitions))
     backward = scale is not None
+    carry = backward and settings.sequence_partitions > 1
+    units: list[Any] = (
+        list(_carry_specs(rows, seq_len, settings.sequence_partitions))
+        if carry
+        else list(_unit_specs(rows, seq_len, settings.sequence_partitions))
+    )
     if backward and not units and sync:
         units = [None]  # zero backward keeps DDP's collectives aligned
     no_sync = getattr(objective, "no_sync", None)
     grads = sparse_embedding_grad(draft) if backward else contextlib.nullcontext()
+    row_keys: list[tuple[Tensor, Tensor]] = []
+    row_grads: list[tuple[Tensor, Tensor]] = []
     with grads:
         for i, spec in enumerate(units):
-            unit = _dummy_unit(draft, device, settings.attention) if spec is None else _build_unit(
-                batch, spec[0], spec[1], settings
-            )
+            if spec is None:
+                unit = _dummy_unit(draft, device, settings.attention)
+            elif isinstance(spec, _CarrySpec):
+                if spec.first:  # a new row: its depth-0 context keys once, no grad
+                    tc = time.perf_counter()
+                    row_keys, row_grads = _context_pass(draft, batch, spec.b, rows[spec.b], settings)
+                    if times is not None:
+                        times.forward += time.perf_counter() - tc
+                unit = _build_unit(batch, spec.b, spec.sub, settings, spec.n_ctx,
+                                   _carry_inputs(spec, row_keys, row_grads))
+            else:
+                unit = _build_unit(batch, spec[0], spec[1], settings)
             last = i == len(units) - 1
             ctx = no_sync() if (no_sync is not None and backward and not (sync and last)) else contextlib.nullcontext()
             with ctx:
@@ -358,6 +479,7 @@ def run_micro_batch(
                 if backward:
                     (loss_sum * (0.0 if spec is None else scale)).backward()
                     coalesce_embedding_grad(draft)
+                    _collect_carried(unit.kv, row_grads)
                     _sync(device)
                 t2 = time.perf_counter()
             if times is not None:

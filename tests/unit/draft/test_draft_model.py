@@ -104,6 +104,40 @@ def test_sdpa_and_flex_paths_agree(target: torch.nn.Module) -> None:
     torch.testing.assert_close(dense[0, real], flex[0, real], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_carried_context_keys_give_the_same_hidden_states(target: torch.nn.Module) -> None:
+    """A segment's owned elements attending to its depth-0 context through carried keys / values
+    (`KVCarry`: one no-grad pass over the depth-0 prefix) equal the forward over [context ; owned],
+    with the dense (rectangular) mask and with flex (`block_mask_for(query_offset=...)`)."""
+    from peagle.draft import KVCarry
+    from peagle.flat import plan_segments, segment_row, subset_row
+
+    draft, _ = _draft(target)
+    row, aux = _flat(seed=3, t=32)
+    seg = plan_segments(row, 32, 3)[2]
+    sub = segment_row(row, seg)
+    nc = int((~seg.owned).sum())
+    assert nc > 0 and not bool(seg.owned[:nc].any())
+    sub_aux = aux[seg.index]
+    own = torch.arange(nc, sub.num_elements)
+    with torch.no_grad():
+        full = draft(sub.input_ids[None], sub_aux[None], sub.is_masked[None], sub.ref_pos[None], mask_for(sub))
+        d0 = torch.nonzero(row.depth == 0).reshape(-1)
+        ctx = subset_row(row, d0)
+        keys: list = []
+        draft(ctx.input_ids[None], aux[d0][None], ctx.is_masked[None], ctx.ref_pos[None], mask_for(ctx),
+              kv=KVCarry(capture=keys))
+        assert len(keys) == 3 and keys[0][0].shape == (1, 2, 32, H // 4)
+        past = [(k[:, :, :nc], v[:, :, :nc]) for k, v in keys]
+        o = subset_row(sub, own)
+        args = (o.input_ids[None], sub_aux[own][None], o.is_masked[None], o.ref_pos[None])
+        dense = draft(*args, mask_for(sub)[nc:], kv=KVCarry(past=past))
+        flex = draft(*args, block_mask_for(sub, query_offset=nc), kv=KVCarry(past=past))
+    real = o.doc >= 0  # padding queries: self-key (dense) vs empty (flex) by design
+    torch.testing.assert_close(dense[0], full[0, nc:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(flex[0, real], full[0, nc:][real], rtol=1e-4, atol=1e-5)
+
+
 def test_attention_selection() -> None:
     assert select_attention("cpu") == "sdpa" and select_attention("cuda") == "flex"
     assert select_attention("cuda", "sdpa") == "sdpa"
@@ -187,8 +221,8 @@ def test_masked_slots_projected_once_give_the_same_values_and_grads(
     real_forward = PEagleFirstLayer.forward
     for share in (True, False):
         def forward(self, *args, _share=share, **kw):  # type: ignore[no-untyped-def]
-            seen.append(args[-1] is not None)
-            return real_forward(self, *(args if _share else (*args[:-1], None)), **kw)
+            seen.append(args[6] is not None)  # (emb, hid, cos, sin, mask, prefix, shared, kv)
+            return real_forward(self, *(args if _share else (*args[:6], None, *args[7:])), **kw)
 
         monkeypatch.setattr(PEagleFirstLayer, "forward", forward)
         draft, _ = _draft(target)

@@ -52,12 +52,17 @@ def test_partitioned_step_equals_flat_forward() -> None:
         torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+def _count_grad_forwards(calls: list) -> object:
+    # the no-grad context pass of a partitioned row (`KVCarry`) is never checkpointed: count the others
+    return lambda *a: calls.append(1) if torch.is_grad_enabled() else None
+
+
 def test_gradient_checkpointing_is_identical() -> None:
     draft = tiny_draft()
     batch = tiny_source().batch(0, 1)
     loss_off, g_off, _ = _loss_and_grads(draft, _settings(2), batch)
     calls = []
-    hook = draft.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    hook = draft.layers[1].register_forward_pre_hook(_count_grad_forwards(calls))
     draft.gradient_checkpointing = True
     draft.train()
     loss_on, g_on, _ = _loss_and_grads(draft, _settings(2), batch)
@@ -67,7 +72,7 @@ def test_gradient_checkpointing_is_identical() -> None:
         torch.testing.assert_close(g_on[name], g_off[name], rtol=0, atol=0, msg=name)
     units = len(calls)
     calls.clear()
-    hook = draft.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    hook = draft.layers[1].register_forward_pre_hook(_count_grad_forwards(calls))
     draft.gradient_checkpointing = False
     _loss_and_grads(draft, _settings(2), batch)
     hook.remove()
@@ -152,8 +157,59 @@ def test_fast_paths_equal_the_plain_step(monkeypatch: pytest.MonkeyPatch) -> Non
     for segments in (1, 4):
         grouped.clear()
         loss, grads, _ = _loss_and_grads(draft, _settings(segments), batch)
-        assert grouped and all(g is not None for g in grouped)
+        # every unit grouped at S=1; at S=4 a small unit may not be worth it (work > 0.8 of its mask)
+        assert grouped and sum(g is not None for g in grouped) >= (len(grouped) if segments == 1 else 2)
         assert not draft.sparse_embedding_grad  # only on inside the step
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_carried_context_is_exact_when_early_segments_own_nothing_supervised() -> None:
+    """Segments that own no supervised element still pass on the gradient later segments sent to their
+    depth-0 keys / values (`KVCarry.inject`); dropping them would lose every gradient of the context."""
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 1)
+    batch["loss_mask"][:, :36] = 0  # supervision only in the last quarter: segments 0-2 own none of it
+    batch["loss_mask"][:, 36:] = 1
+    batch["document_ids"].zero_()  # one document: the early rows are context of the supervised ones
+    loss1, g1, tot1 = _loss_and_grads(draft, _settings(1), batch)
+    rows = plan_rows(batch, _settings(4), epoch=0, index=0, row_ids=[0, 1])
+    specs = step_mod._carry_specs(rows, 48, 4)
+    assert [s.n_ctx for s in specs[:4]] == [36, 24, 12, 0] and not bool((specs[1].sub.weight > 0).any())
+    loss4, g4, tot4 = _loss_and_grads(draft, _settings(4), batch)
+    assert torch.equal(tot1, tot4) and loss4 == pytest.approx(loss1, rel=1e-5)
+    for name in g1:
+        assert torch.count_nonzero(g1[name]) > 0 or name == "mask_hidden", name
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_partitioned_units_keep_only_their_own_rows() -> None:
+    """With carried context keys a unit's forward runs only over the elements it owns (plus the no-grad
+    depth-0 pass per row), so no unit holds activations for the whole depth-0 context."""
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+    settings = _settings(4)
+    rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+    sizes: list[tuple[bool, int]] = []
+    hook = draft.layers[0].register_forward_pre_hook(
+        lambda _m, args: sizes.append((torch.is_grad_enabled(), int(args[0].shape[1])))
+    )
+    run_micro_batch(DraftObjective(draft, 4, None), draft, batch, rows, settings, scale=1.0)
+    hook.remove()
+    grad_sizes = [n for g, n in sizes if g]
+    assert sum(grad_sizes) == sum(r.num_elements for r in rows)  # every element forwarded with grad once
+    assert [n for g, n in sizes if not g] == [48, 48]  # one context pass per row
+    assert max(grad_sizes) < max(r.num_elements for r in rows) // 2
+
+
+def test_inject_grad_adds_to_the_leading_rows() -> None:
+    from peagle.draft import _InjectGrad
+
+    x = torch.randn(1, 2, 5, 3, requires_grad=True)
+    g = torch.randn(1, 2, 2, 3)
+    y = _InjectGrad.apply(x, g)
+    (y * 2).sum().backward()
+    expect = torch.full_like(x, 2.0)
+    expect[:, :, :2] += g
+    torch.testing.assert_close(x.grad, expect)
