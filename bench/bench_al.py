@@ -2,7 +2,8 @@
 
 For a finished `peagle train` run (default: the demo preset's RUN), measures on the first N HumanEval
 prompts (default 40, 128 new tokens, K=4, greedy, chat-templated):
-  * `untrained`: the run's draft at step 0 (same seed, vocab, mask token; embeddings/lm_head from the target),
+  * `untrained`: the run's draft at step 0 with random layers (same seed, vocab, mask token; embeddings /
+    lm_head from the target), and `init`: the step-0 draft the run actually started from (`layer_init`),
   * `trained`: RUN/export (the best checkpoint, bf16 as served),
   * `peer` (optional `--peer DIR`): an export of a draft trained by speculators' own PEagleDraftModel + loss,
 each with the pure-PyTorch reference decoder and (when `.vllm-venv` exists) vLLM CPU with parallel drafting.
@@ -59,8 +60,9 @@ def ensure_peer_export(run: Path, out: Path) -> Path | None:
     return out
 
 
-def untrained_export(run: Path, out: Path) -> Path:
-    """Export the run's step-0 draft (built exactly as the pipeline builds it)."""
+def untrained_export(run: Path, out: Path, layer_init: str = "random") -> Path:
+    """Export the run's step-0 draft, built as the pipeline builds it with `draft.layer_init` =
+    `layer_init` ("random": the issue's untrained random draft; "target": what the run started from)."""
     import torch
 
     from peagle.data.vocab import load_vocab
@@ -69,6 +71,7 @@ def untrained_export(run: Path, out: Path) -> Path:
     from peagle.spec import parse_spec
 
     spec = parse_spec(json.loads((run / "resolved_spec.json").read_text()))
+    spec.draft.layer_init = layer_init  # type: ignore[assignment]
     model, _, path = load_target(spec, torch.device("cpu"))
     vocab = load_vocab(run / "data" / "vocab.safetensors")
     if vocab.t2d is None:  # full vocab: DraftVocab carries no mapping
@@ -122,7 +125,8 @@ def main() -> int:
     p.add_argument("--peer", type=Path, default=None,
                    help=f"export dir of the peer-trained draft (default: {PEER_EXPORT.relative_to(ROOT)}, trained "
                         "from the run by bench/peer_train_al.py in .peer-venv if missing)")
-    p.add_argument("--drafts", default="untrained,trained,peer")
+    p.add_argument("--drafts", default="untrained,init,trained,peer",
+                   help="untrained = step 0 with random layers, init = step 0 as the run started (its layer_init)")
     p.add_argument("--draft-dir", action="append", default=[], help="NAME=EXPORT_DIR, another draft to measure")
     p.add_argument("--engines", default="reference,vllm")
     p.add_argument("--num-prompts", type=int, default=40)
@@ -137,6 +141,7 @@ def main() -> int:
             shutil.rmtree(PEER_EXPORT, ignore_errors=True)
             shutil.rmtree(CACHE, ignore_errors=True)  # measurements of an earlier run
             shutil.rmtree(CACHE.parent / "untrained_export", ignore_errors=True)
+            shutil.rmtree(CACHE.parent / "init_export", ignore_errors=True)
         if args.peer is None and "peer" in args.drafts.split(","):
             args.peer = ensure_peer_export(DEMO_RUN, PEER_EXPORT)
 
@@ -147,10 +152,12 @@ def main() -> int:
     for name in args.drafts.split(","):
         if name == "trained" and (args.run / "export" / "config.json").exists():
             exports["trained"] = args.run / "export"
-        elif name == "untrained":
-            out = CACHE.parent / "untrained_export"
-            exports["untrained"] = (
-                out if (out / "config.json").exists() and not args.force else untrained_export(args.run, out)
+        elif name in ("untrained", "init"):  # step 0 with random layers / with the run's layer init
+            out = CACHE.parent / f"{name}_export"
+            exports[name] = (
+                out
+                if (out / "config.json").exists() and not args.force
+                else untrained_export(args.run, out, "random" if name == "untrained" else "target")
             )
         elif name == "peer" and args.peer is not None:
             exports["peer"] = args.peer

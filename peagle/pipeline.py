@@ -297,7 +297,8 @@ def run_pipeline(
 
 
 def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: int, aux_ids: list[int]) -> Any:
-    """The untrained draft of a run (seeded by `optim.seed`, embeddings/lm_head rows from the target).
+    """The untrained draft of a run (seeded by `optim.seed`, embeddings/lm_head rows from the target, the
+    decoder layers / fc / final norm too when `draft.layer_init == "target"`).
 
     Args:
         spec: the job spec (`draft.num_layers`, `optim.seed`).
@@ -306,7 +307,7 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
         mask_token_id: the resolved mask token.
         aux_ids: the resolved aux layer ids.
     """
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.draft import DraftConfig, PEagleDraft, init_from_target, init_layers_from_target
 
     torch.manual_seed(spec.optim.seed)
     cfg = DraftConfig.from_target(
@@ -318,6 +319,8 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
     )
     draft = PEagleDraft(cfg)
     init_from_target(draft, model, vocab.t2d)
+    if spec.draft.layer_init == "target":
+        init_layers_from_target(draft, model)
     return draft
 
 

@@ -235,3 +235,62 @@ def test_masked_slots_projected_once_give_the_same_values_and_grads(
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
     assert torch.count_nonzero(g1["mask_hidden"]) > 0
+
+
+def test_layers_start_from_the_target_when_asked(target: torch.nn.Module) -> None:
+    """`init_layers_from_target`: draft layer i <- target layer N-L+i, the fused q/k/v in both halves,
+    fc passes on the last aux layer, the final norm is the target's; nothing else changes."""
+    from peagle.draft import init_layers_from_target
+
+    draft, _ = _draft(target, layers=1)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5)  # not all ones: a copy is visible
+        target.model.layers[-1].input_layernorm.weight.uniform_(0.5, 1.5)
+    copied = init_layers_from_target(draft, target)
+    src = target.model.layers[-1]
+    first = draft.layers[0]
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(src.self_attn, proj).weight
+        torch.testing.assert_close(getattr(first.self_attn, proj).weight, torch.cat([w, w], dim=1))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        torch.testing.assert_close(getattr(first.mlp, proj).weight, getattr(src.mlp, proj).weight)
+    torch.testing.assert_close(first.self_attn.o_proj.weight, src.self_attn.o_proj.weight)
+    torch.testing.assert_close(first.hidden_norm.weight, src.input_layernorm.weight)
+    torch.testing.assert_close(draft.norm.weight, target.model.norm.weight)
+    torch.testing.assert_close(draft.fc.weight, torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1))
+    after = draft.state_dict()
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert changed <= set(copied)  # only what it reports (a copy of ones onto ones changes nothing)
+    assert {"fc.weight", "norm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.hidden_norm.weight"} <= changed
+    for key in ("embed_tokens.weight", "lm_head.weight", "mask_hidden", "d2t", "t2d"):
+        assert torch.equal(after[key], before[key]), key
+    two, _ = _draft(target, layers=2)
+    init_layers_from_target(two, target)  # L=2 takes the target's last two layers, in order
+    torch.testing.assert_close(two.layers[1].mlp.up_proj.weight, target.model.layers[-1].mlp.up_proj.weight)
+    torch.testing.assert_close(two.layers[0].mlp.up_proj.weight, target.model.layers[-2].mlp.up_proj.weight)
+    assert init_layers_from_target(two, torch.nn.Linear(2, 2)) == []  # no decoder stack: nothing copied
+
+
+def test_the_run_draft_follows_the_spec_layer_init(target: torch.nn.Module) -> None:
+    from types import SimpleNamespace
+
+    from peagle.pipeline import build_initial_draft
+    from peagle.spec import preset
+
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:VD] = True
+    vocab = SimpleNamespace(draft_vocab_size=VD, t2d=t2d)
+    drafts = {}
+    for init in ("target", "random"):
+        spec = preset("tiny").model_copy(deep=True)
+        spec.draft.layer_init = init
+        spec.draft.num_layers = 1
+        drafts[init] = build_initial_draft(spec, target, vocab, 7, [0, 1, 1])
+    eye = torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1)
+    assert torch.equal(drafts["target"].fc.weight, eye) and not torch.equal(drafts["random"].fc.weight, eye)
+    w = target.model.layers[-1].mlp.up_proj.weight
+    assert torch.equal(drafts["target"].layers[0].mlp.up_proj.weight, w)
+    assert not torch.equal(drafts["random"].layers[0].mlp.up_proj.weight, w)
+    assert torch.equal(drafts["target"].lm_head.weight, drafts["random"].lm_head.weight)  # same rows either way

@@ -52,6 +52,15 @@ def test_minimal_spec_gets_defaults() -> None:
     assert spec.peagle.num_depths == 8
     assert spec.data.sources[0].path == "builtin:sharegpt"
     assert spec.draft.aux_layer_ids == "auto"
+    assert spec.draft.layer_init == "target"
+
+
+def test_layer_init_choices() -> None:
+    assert parse_spec({**MIN, "draft": {"layer_init": "random"}}).draft.layer_init == "random"
+    with pytest.raises(SpecInvalidError) as ei:
+        parse_spec({**MIN, "draft": {"layer_init": "copy"}})
+    [p] = ei.value.problems
+    assert p.path == "draft.layer_init" and "random" in p.message
 
 
 def test_unknown_field_is_rejected_with_its_path() -> None:
