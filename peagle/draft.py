@@ -3,8 +3,9 @@
 Reads top to bottom like `transformers.models.llama.modeling_llama`:
 `DraftConfig` -> `select_attention` -> `QueryGroups` / `group_queries` -> `attend` (SDPA with a dense
 mask, cut into query groups that each see only their visible keys, or flex attention with a `BlockMask`)
--> `PEagleAttention` -> `PEagleFirstLayer` (fused, 2H attention input) -> `PEagleLayer`
-(plain pre-norm block) -> `PEagleDraft` -> `init_from_target`.
+-> `KVCarry` (context keys / values carried between the forwards of a partitioned row) -> `PEagleAttention`
+-> `PEagleFirstLayer` (fused, 2H attention input) -> `PEagleLayer` (plain pre-norm block) -> `PEagleDraft`
+-> `init_from_target` (embeddings, lm_head rows) -> `init_layers_from_target` (spec `draft.layer_init`).
 
 Architecture (peagle.md section 1.5, decision 6):
 - `embed_tokens` [V, H] (initialised from the target, trainable unless frozen by the spec);
