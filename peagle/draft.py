@@ -675,6 +675,28 @@ def _decoder(target_model: nn.Module) -> nn.Module | None:
 
 
 @torch.no_grad()
+def _norm_scale(norm: nn.Module) -> Tensor | None:
+    """The per-channel scale an RMS norm applies (`norm(x) = scale * x / rms(x)`), read off its output, so
+    a Gemma-style `(1 + w)` norm gives `1 + w`; None when the module is not such a norm (LayerNorm, ...)."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, Tensor) or w.dim() != 1:
+        return None
+    g = torch.Generator().manual_seed(0)
+    scales = []
+    for _ in range(2):
+        x = torch.randn(1, w.numel(), generator=g).to(device=w.device, dtype=w.dtype)
+        unit = x.float() / x.float().pow(2).mean(-1, keepdim=True).sqrt()
+        scales.append(norm(x).float()[0] / unit[0])
+    if not torch.allclose(scales[0], scales[1], rtol=2e-2, atol=2e-2):
+        return None
+    measured = (scales[0] + scales[1]) / 2
+    for exact in (w.float(), 1.0 + w.float()):  # the usual forms, copied exactly (no rounding noise)
+        if torch.allclose(measured, exact, rtol=2e-2, atol=2e-2):
+            return exact
+    return measured
+
+
+@torch.no_grad()
 def init_layers_from_target(draft: PEagleDraft, target_model: nn.Module) -> list[str]:
     """Start the draft's decoder layers, `fc` and final `norm` from the target (spec `draft.layer_init`).
 
@@ -685,7 +707,8 @@ def init_layers_from_target(draft: PEagleDraft, target_model: nn.Module) -> list
     hidden state 3 layers from the top) and `norm` as the target's final norm, so the draft starts as a
     target-shaped top of the stack reading the target's own features. On the demo (SmolLM2-135M, 240
     steps) this raised AL from 1.225 to 1.266 (held-out tau_sim 0.299 -> 0.326) against random layers.
-    Weights whose shapes do not match (MoE experts, biases, q/k norms) keep their random init.
+    Norms are copied as the scale they apply (a Gemma-style `(1 + w)` norm gives `1 + w`; a LayerNorm is
+    skipped). Weights whose shapes do not match (MoE experts, biases, q/k norms) keep their random init.
 
     Returns:
         The names of the draft tensors that were copied.
@@ -708,6 +731,8 @@ def init_layers_from_target(draft: PEagleDraft, target_model: nn.Module) -> list
             module = getattr(module, part, None)
             if module is None:
                 return None
+        if "norm" in path.rsplit(".", 1)[-1]:
+            return _norm_scale(module)
         w = getattr(module, "weight", None)
         return w if isinstance(w, Tensor) else None
 

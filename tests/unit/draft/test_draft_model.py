@@ -294,3 +294,25 @@ def test_the_run_draft_follows_the_spec_layer_init(target: torch.nn.Module) -> N
     assert torch.equal(drafts["target"].layers[0].mlp.up_proj.weight, w)
     assert not torch.equal(drafts["random"].layers[0].mlp.up_proj.weight, w)
     assert torch.equal(drafts["target"].lm_head.weight, drafts["random"].lm_head.weight)  # same rows either way
+
+
+def test_norms_are_copied_as_the_scale_they_apply() -> None:
+    from peagle.draft import _norm_scale
+
+    class OnePlus(torch.nn.Module):  # Gemma-style RMSNorm: scale = 1 + w
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.linspace(-0.5, 0.5, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    plain = LlamaRMSNorm(16)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+    assert torch.equal(_norm_scale(plain), plain.weight.detach())
+    gemma = OnePlus()
+    assert torch.equal(_norm_scale(gemma), 1 + gemma.weight.detach())
+    assert _norm_scale(torch.nn.LayerNorm(16)) is None  # not a pure per-channel scale: left alone
