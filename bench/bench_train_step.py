@@ -7,8 +7,9 @@ Aux features and target logits are random (timing does not depend on their value
 
 * ours: `peagle.train.loop.Trainer` steps (COD, dense mask cut into query groups, lm_head + KL on
   supervised elements only, backward, clip, fused AdamW; embeddings trainable), wall time between step
-  records. Its fp32 CPU products (linears, lm_head, grouped attention) run through oneDNN
-  (`peagle.core_cpu`); `--gemm aten` runs them through ATen (MKL sgemm, SDPA) like the peer instead. The
+  records. Its fp32 CPU products (linears, lm_head, grouped attention) run as the product runs them
+  (`--gemm auto`: oneDNN on AMD CPUs, ATen = MKL sgemm + SDPA elsewhere, `peagle.core_cpu`); `--gemm
+  onednn` / `--gemm aten` force one route (`aten` is the peer's own kernels). The
   headline ratio freezes our lm_head like the peer's (same trainable set); the ratio with our default
   (trainable lm_head, one more [m, H] x [H, Vd] weight-gradient matmul) is reported beside it;
 * peer: speculators 0.9.0 (`draft_attn_impl="sdpa"`, eager KL, its own forward computing the target
@@ -18,9 +19,9 @@ Rounds alternate peer / ours so machine load hits both; the ratio is median(ours
 Beside it, `cpu_step_time_ratio` compares the process CPU seconds per step (time.process_time, same
 rounds): with `--threads 1` that is the work of a step and barely moves with the load of a shared
 machine, where the wall-clock ratio can swing by +-0.1 between runs.
-Target: <= 0.6. Writes bench/results/train_step.json (`--gemm aten`: train_step_aten.json).
+Target: <= 0.6. Writes bench/results/train_step.json (a forced `--gemm X`: train_step_X.json).
 
-    .venv/bin/python -m bench.bench_train_step [--steps 5] [--rounds 2] [--threads 2] [--gemm onednn|aten]
+    .venv/bin/python -m bench.bench_train_step [--steps 5] [--rounds 2] [--threads 2] [--gemm auto|onednn|aten]
 """
 
 from __future__ import annotations
@@ -134,13 +135,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gemm", choices=["onednn", "aten"], default="onednn", help="our fp32 CPU products")
+    ap.add_argument("--gemm", choices=["auto", "onednn", "aten"], default="auto",
+                    help="our fp32 CPU products (auto: as the product chooses for this CPU)")
     args = ap.parse_args()
     if not PEER_PY.exists():
         print("missing .peer-venv: run `bash bench/peer_env.sh` first", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    core_cpu.ONEDNN = args.gemm == "onednn"
+    core_cpu.ONEDNN = None if args.gemm == "auto" else args.gemm == "onednn"
+    gemm = args.gemm if args.gemm != "auto" else f"auto={'onednn' if core_cpu.auto_onednn() else 'aten'}"
     from transformers import AutoConfig, AutoTokenizer
 
     folder = smollm2_dir()
@@ -183,7 +186,7 @@ def main() -> int:
                     "draft_vocab": VD, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                     "kv_heads": cfg.num_key_value_heads, "vocab": v, "sharegpt_index": conv_index,
                     "supervised_tokens": int(s_mask.sum()), "threads": args.threads,
-                    "ours_gemm": args.gemm},
+                    "ours_gemm": gemm, "cpu_vendor": core_cpu.cpu_vendor()},
         "ours_step_seconds": ours,
         "ours_trainable_lm_head_step_seconds": ours_default,
         "peer_step_seconds": peer,
@@ -202,13 +205,13 @@ def main() -> int:
         "pass": ratio <= 0.6,
         "time": time.time(),
     }
-    out = ROOT / "bench" / "results" / ("train_step.json" if args.gemm == "onednn" else "train_step_aten.json")
+    out = ROOT / "bench" / "results" / ("train_step.json" if args.gemm == "auto" else f"train_step_{args.gemm}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"ours {result['ours_median_s']:.3f} s/step, peer {result['peer_median_s']:.3f} s/step, "
           f"ratio {ratio:.3f} (target <= 0.6); with our default trainable lm_head "
           f"{result['ours_trainable_lm_head_median_s']:.3f} s/step, ratio {ratio_default:.3f}; "
-          f"CPU-time ratio {cpu_ratio:.3f}; load {os.getloadavg()[0]:.2f}; {args.threads} threads, {args.gemm}")
+          f"CPU-time ratio {cpu_ratio:.3f}; load {os.getloadavg()[0]:.2f}; {args.threads} threads, {gemm}")
     return 0
 
 

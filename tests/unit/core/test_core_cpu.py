@@ -5,6 +5,37 @@ import torch
 import torch.nn.functional as F
 
 
+@pytest.fixture(autouse=True)
+def _onednn_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the oneDNN kernels, which the product uses on AMD CPUs only: force the route."""
+    import peagle.core_cpu as gemm
+
+    monkeypatch.setattr(gemm, "ONEDNN", True)
+
+
+def test_the_route_follows_the_cpu_vendor_and_the_override() -> None:
+    from peagle.core_cpu import choose_onednn, cpu_vendor
+
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n"
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\n"
+    assert cpu_vendor(amd) == "AuthenticAMD" and cpu_vendor(intel) == "GenuineIntel" and cpu_vendor("") == ""
+    assert choose_onednn(None, "AuthenticAMD") and not choose_onednn(None, "GenuineIntel")
+    assert not choose_onednn("auto", "")
+    assert choose_onednn("onednn", "GenuineIntel") and not choose_onednn(" ATEN ", "AuthenticAMD")
+    with pytest.raises(ValueError, match="PEAGLE_CPU_GEMM"):
+        choose_onednn("cublas", "GenuineIntel")
+
+
+def test_auto_route_is_what_uses_onednn_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    import peagle.core_cpu as gemm
+
+    monkeypatch.setattr(gemm, "ONEDNN", None)
+    x = torch.zeros(2, 3)
+    assert gemm.uses_onednn(x) == (gemm.auto_onednn() and gemm._KERNEL is not None)
+    monkeypatch.setattr(gemm, "ONEDNN", False)
+    assert not gemm.uses_onednn(x)
+
+
 @pytest.mark.parametrize("lead", [(7,), (2, 5), (1, 0)])
 @pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
 def test_linear_matches_f_linear_values_and_grads(lead: tuple[int, ...], grads: tuple[bool, bool]) -> None:
