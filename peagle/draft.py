@@ -736,11 +736,9 @@ def init_layers_from_target(draft: PEagleDraft, target_model: nn.Module) -> list
         w = getattr(module, "weight", None)
         return w if isinstance(w, Tensor) else None
 
-    n, num = len(src_layers), len(draft.layers)
-    for i, layer in enumerate(draft.layers):
-        src = src_layers[n - num + i] if n >= num else None
-        if src is None:
-            break
+    offset = len(src_layers) - len(draft.layers)  # draft layer i <- target layer offset + i
+    for i, layer in enumerate(draft.layers if offset >= 0 else []):
+        src = src_layers[offset + i]
         prefix = f"layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj"):
             dst = getattr(layer.self_attn, proj).weight
@@ -760,8 +758,7 @@ def init_layers_from_target(draft: PEagleDraft, target_model: nn.Module) -> list
         if i == 0:
             put(f"{prefix}hidden_norm.weight", layer.hidden_norm.weight, weight(src, "input_layernorm"))
     put("norm.weight", draft.norm.weight, weight(base, "norm"))
-    if draft.fc.weight.shape == (h, 3 * h):
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, 2 * h :].copy_(torch.eye(h, dtype=draft.fc.weight.dtype))
-        copied.append("fc.weight")
+    draft.fc.weight.zero_()  # [H, 3H]
+    draft.fc.weight[:, 2 * h :].copy_(torch.eye(h, dtype=draft.fc.weight.dtype))
+    copied.append("fc.weight")
     return copied

@@ -140,6 +140,11 @@ class UnitInputs:
     kv: KVCarry | None = None
 
 
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Autocast to `dtype` on `device` (bf16 on CUDA), or nothing when `dtype` is None (fp32)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 class DraftObjective(nn.Module):
     """The module DDP wraps: `forward(unit) -> (loss_sum, CodMetrics)` (sum over the charged elements)."""
 
@@ -151,12 +156,7 @@ class DraftObjective(nn.Module):
 
     def forward(self, unit: UnitInputs) -> tuple[Tensor, CodMetrics]:
         dev = unit.input_ids.device
-        ctx = (
-            torch.autocast(dev.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with ctx:
+        with _autocast(dev, self.autocast_dtype):
             hidden = self.draft(unit.input_ids, unit.aux, unit.is_masked, unit.position_ids, unit.attn_mask,
                                 kv=unit.kv)
             if unit.sel.numel() == 0:
@@ -275,13 +275,14 @@ def _carry_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[_
         charged = [s for s, sub in enumerate(subs) if bool((sub.weight > 0).any())]
         if not charged:
             continue
-        for s in range(max(charged), -1, -1):
+        last = max(charged)
+        for s in range(last, -1, -1):
             seg, sub = segs[s], subs[s]
             n_ctx = int((~seg.owned).sum())
             if bool(seg.owned[:n_ctx].any()) or not bool(seg.owned[n_ctx:].all()):
                 raise RuntimeError("segment input is not [context ; owned]")  # plan_segments' order changed
             n_own_d0 = int((sub.depth[n_ctx:] == 0).sum())
-            out.append(_CarrySpec(b, sub, n_ctx, n_own_d0, first=s == max(charged)))
+            out.append(_CarrySpec(b, sub, n_ctx, n_own_d0, first=s == last))
     return out
 
 
@@ -295,12 +296,7 @@ def _context_pass(
     mask = _unit_mask(d0, settings)
     capture: list[tuple[Tensor, Tensor]] = []
     dev = row.depth.device
-    ctx = (
-        torch.autocast(dev.type, dtype=settings.autocast_dtype)
-        if settings.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with torch.no_grad(), ctx:
+    with torch.no_grad(), _autocast(dev, settings.autocast_dtype):
         draft(d0.input_ids[None], batch["aux"][b].index_select(0, d0.ref_pos)[None], d0.is_masked[None],
               d0.ref_pos[None], mask, kv=KVCarry(capture=capture))
     grads = [(torch.zeros(k.shape, device=dev), torch.zeros(v.shape, device=dev)) for k, v in capture]
