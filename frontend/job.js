@@ -235,16 +235,19 @@ function onEvent(e) {
 }
 
 // ---------------------------------------------------------------- checkpoints
+let ckRequest = 0; // only the newest request may render: an older, slower response must not overwrite it
 async function refreshCheckpoints() {
+  const mine = ++ckRequest;
   try {
     const res = await api(`/v1/jobs/${encodeURIComponent(jobId)}/checkpoints`);
+    if (mine !== ckRequest) return;
     const cks = res.data || res;
     const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete, c.tau_sim, c.acceptance_length]));
     if (sig === ckSig) return;
     ckSig = sig;
     renderCheckpoints($("#checkpoints"), job, cks);
   } catch (e) {
-    showError($("#checkpoints"), e);
+    if (mine === ckRequest) showError($("#checkpoints"), e);
   }
 }
 
@@ -294,6 +297,9 @@ async function start() {
     renderEvents();
     renderTimeline();
     renderLogs();
+    // The events just loaded are not replayed by the stream: a checkpoint or final-AL event among them
+    // may be newer than the checkpoints table drawn by refreshJob above.
+    refreshCheckpoints();
     const lastEv = events.length ? events[events.length - 1].seq : 0;
     const lastLog = logs.length ? logs[logs.length - 1].seq : 0;
     streams.push(openStream(`${base}/metrics/stream`, { query: { after: lastSeq }, onItem: (p) => { if (store.add(p)) redraw(); }, onState: setLive }));
