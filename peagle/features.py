@@ -6,8 +6,10 @@ Both implement the trainer's ``BatchSource`` protocol structurally::
     batch(epoch, index) -> dict[str, Tensor]      # deterministic given (seed, epoch, index)
 
 Keys (after the shift of decision 1, see `peagle.data.packing`): ``input_ids`` [B, T] int64,
-``loss_mask`` [B, T] int64, ``document_ids`` [B, T] int64 (-1 padding), ``aux`` [B, T, 3H] float32,
-``target_logits`` [B, T, Vd] float32. Row order is a permutation drawn from ``seed`` and ``epoch`` (the same
+``loss_mask`` [B, T] int64, ``document_ids`` [B, T] int64 (-1 padding), ``aux`` [B, T, 3H] and
+``target_logits`` [B, T, Vd] floating, in the dtype they were computed or stored in (bf16 for a bf16
+target on a GPU: half the memory of an fp32 copy with the same values; the draft and the loss upcast
+them where they are used). Row order is a permutation drawn from ``seed`` and ``epoch`` (the same
 for both sources, so offline == online). Online tensors live on the target's device; offline on CPU.
 
 Offline layout (``out_dir``): ``manifest.json`` (counts, shard list, ``complete``), ``head.safetensors``
@@ -203,7 +205,8 @@ def write_feature_shards(
 
 
 class OfflineFeatureSource(_Ordered):
-    """Reads features written by `write_feature_shards` (CPU tensors; aux upcast to float32)."""
+    """Reads features written by `write_feature_shards` (CPU tensors; aux as stored, logits in the
+    head's dtype)."""
 
     def __init__(self, out_dir: str | Path, micro_batch_size: int, seed: int) -> None:
         from safetensors.torch import load_file
@@ -239,8 +242,8 @@ class OfflineFeatureSource(_Ordered):
         """Only `rows` (positions within the micro-batch; DDP ranks) of micro-batch `index`."""
         t = self._rows(self._indices(epoch, index, rows))
         final = t["final"].to(self.head_weight.dtype)
-        logits = torch.nn.functional.linear(final, self.head_weight, self.head_bias).float()  # [B, T, Vd]
-        return shift_features(t["input_ids"], t["loss_mask"], t["document_ids"], t["aux"].float(), logits)
+        logits = torch.nn.functional.linear(final, self.head_weight, self.head_bias)  # [B, T, Vd]
+        return shift_features(t["input_ids"], t["loss_mask"], t["document_ids"], t["aux"], logits)
 
 
 def build_batch_source(

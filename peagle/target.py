@@ -127,8 +127,10 @@ class TargetCapture:
             document_ids: [B, T] int64 (-1 padding).
 
         Returns:
-            aux [B, T, 3H] float32 (``hidden_states[i]`` for i in aux ids, concatenated in that order) and
-            final [B, T, H] (model dtype; the input of lm_head).
+            aux [B, T, 3H] in the model's dtype (``hidden_states[i]`` for i in aux ids, concatenated in
+            that order; kept as computed: an fp32 copy of bf16 states would hold the same values in twice
+            the memory, and the draft upcasts them itself) and final [B, T, H] (model dtype; the input of
+            lm_head).
         """
         input_ids = input_ids.to(self.device)
         document_ids = document_ids.to(self.device)
@@ -156,17 +158,21 @@ class TargetCapture:
         finally:
             for h in handles:
                 h.remove()
-        aux = torch.cat([grabbed[i].float() for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
+        aux = torch.cat([grabbed[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
         return aux, out.last_hidden_state  # [B, T, H]
 
     @torch.no_grad()
     def logits_from_hidden(self, final: Tensor) -> Tensor:
-        """Draft-vocab logits [*, Vd] float32 from final normed hidden states [*, H]."""
+        """Draft-vocab logits [*, Vd] in the head's dtype from final normed hidden states [*, H].
+
+        Not upcast: the loss takes the target side in fp32 a chunk at a time (`peagle.loss`), so bf16
+        logits give the same loss as their fp32 copy in half the memory ([T, Vd] per row).
+        """
         final = final.to(self.device, self.head_weight.dtype)
-        return F.linear(final, self.head_weight, self.head_bias).float()  # [*, Vd]
+        return F.linear(final, self.head_weight, self.head_bias)  # [*, Vd]
 
     @torch.no_grad()
     def capture(self, input_ids: Tensor, document_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(aux [B, T, 3H] fp32, logits [B, T, Vd] fp32) of packed rows, UNSHIFTED."""
+        """(aux [B, T, 3H], logits [B, T, Vd]) of packed rows, UNSHIFTED, in the target's dtype."""
         aux, final = self.hidden(input_ids, document_ids)
         return aux, self.logits_from_hidden(final)

@@ -7,8 +7,9 @@ decision 1 (slot i: token x[i+1], aux g[i], target z[i+1], mask m[i+1]):
     input_ids      [B, T] int64
     loss_mask      [B, T] int64 0/1
     document_ids   [B, T] int64 (-1 = padding)
-    aux            [B, T, 3H] float
-    target_logits  [B, T, Vd] float (target logits restricted to the draft vocab)
+    aux            [B, T, 3H] float (fp32, or bf16 as a bf16 target computed them: the draft upcasts)
+    target_logits  [B, T, Vd] float (target logits restricted to the draft vocab; fp32 or bf16: the
+                   loss takes them in fp32 a chunk at a time)
 
 `micro_batch_size` rows form one micro-batch; under DDP every rank reads the same global micro-batch
 index and takes the rows `rank::world_size` (a source may implement `batch_rows(epoch, index, rows)`

@@ -152,6 +152,24 @@ def test_bf16_aux_storage(tiny_model, tmp_path):
     write_feature_shards(cap, rows, tmp_path / "f", rows_per_shard=4)
     b = OfflineFeatureSource(tmp_path / "f", 3, 0).batch(0, 0)
     a = OnlineFeatureSource(cap, rows, 3, 0).batch(0, 0)
-    assert b["aux"].dtype == torch.float32
-    torch.testing.assert_close(a["aux"], b["aux"], rtol=1e-2, atol=1e-2)
+    assert b["aux"].dtype == torch.bfloat16  # as stored: no fp32 copy of bf16 values in the batch
+    assert a["aux"].dtype == torch.float32  # the fp32 target's own states
+    assert torch.equal(b["aux"], a["aux"].to(torch.bfloat16))
     torch.testing.assert_close(a["target_logits"], b["target_logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_target_features_stay_bf16(tiny_model):
+    """A bf16 target's aux states and logits are returned as computed (half the memory of fp32 copies)."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    sel = torch.arange(100, 400)
+    cap = TargetCapture(model, [0, 2, 3], sel)
+    ids = torch.randint(20, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    aux, logits = cap.capture(ids, torch.zeros_like(ids))
+    assert aux.dtype == logits.dtype == torch.bfloat16
+    out = model(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(aux, torch.cat([out.hidden_states[i] for i in (0, 2, 3)], dim=-1))
+    torch.testing.assert_close(logits, out.logits[..., sel], rtol=0, atol=0)
+    batch = OnlineFeatureSource(cap, _rows(), micro_batch_size=2, seed=0).batch(0, 0)
+    assert batch["aux"].dtype == batch["target_logits"].dtype == torch.bfloat16

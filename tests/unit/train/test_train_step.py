@@ -52,6 +52,24 @@ def test_partitioned_step_equals_flat_forward() -> None:
         torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("segments", [1, 3])
+def test_bf16_features_train_exactly_like_their_fp32_copy(segments: int) -> None:
+    """A bf16 target's features (kept bf16 in the batch) give the loss and gradients of their fp32 copy:
+    the draft upcasts aux, the loss takes the target logits in fp32 chunk by chunk."""
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+    low = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
+    up = {k: v.float() if v.is_floating_point() else v for k, v in low.items()}
+    assert low["aux"].dtype == low["target_logits"].dtype == torch.bfloat16
+    loss_low, g_low, tot_low = _loss_and_grads(draft, _settings(segments), low)
+    loss_up, g_up, tot_up = _loss_and_grads(draft, _settings(segments), up)
+    assert torch.equal(tot_low, tot_up)
+    assert loss_low == loss_up
+    for name in g_up:
+        assert g_low[name].dtype == torch.float32, name
+        assert torch.equal(g_low[name], g_up[name]), name
+
+
 def _count_grad_forwards(calls: list) -> object:
     # the no-grad context pass of a partitioned row (`KVCarry`) is never checkpointed: count the others
     return lambda *a: calls.append(1) if torch.is_grad_enabled() else None
