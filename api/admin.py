@@ -1,5 +1,5 @@
 """Operator commands: `python -m api.admin create-key --owner NAME --scope write` (prints the secret ONCE),
-`list-keys`, `revoke-key PREFIX`, `migrate`. The database URL comes from `api.settings.get_settings()`.
+`list-keys`, `revoke-key PREFIX`, `migrate`. The database URL comes from `service.settings.get_settings()`.
 """
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import sys
 import sqlalchemy as sa
 import typer
 
-from api.db import repo
-from api.db.models import ApiKey, Owner
-from api.db.session import make_engine, make_session_factory, session_scope
-from api.settings import get_settings
+from service.db import repo
+from service.db.models import ApiKey, Owner
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.settings import get_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Administer the peagle service.")
 
 
 def _sessions():  # type: ignore[no-untyped-def]
     settings = get_settings()
-    from api.db import upgrade
+    from service.db import upgrade
 
     url = settings.resolved_database_url()
     if settings.embedded and url.startswith("sqlite"):
@@ -68,7 +68,7 @@ def revoke_key(prefix: str = typer.Argument(..., help="The key's prefix (second 
 @app.command("migrate")
 def migrate() -> None:
     """Apply every migration (`alembic upgrade head`)."""
-    from api.db import upgrade
+    from service.db import upgrade
 
     upgrade(get_settings().resolved_database_url())
     typer.echo("database at head")

@@ -26,10 +26,10 @@ from fastapi import Depends, Query, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.db import repo
-from api.db.models import ApiKey
 from api.errors import ApiError
-from api.settings import Settings
+from service.db import repo
+from service.db.models import ApiKey
+from service.settings import Settings
 
 __all__ = [
     "SESSION_COOKIE",
@@ -60,7 +60,7 @@ class AppState:
     producer: Any
     read_sessions: sessionmaker[Session] | None = None  # autocommit sessions for read-only handlers
     read_engine: sa.Engine | None = None  # the same pool in autocommit mode (Core reads, no BEGIN/ROLLBACK)
-    read_pool: Any = None  # PostgreSQL: async psycopg pool for reads on the event loop (api.db.aio)
+    read_pool: Any = None  # PostgreSQL: async psycopg pool for reads on the event loop (service.db.aio)
     redis: Any = None
     hub: Any = None
     metrics: Any = None

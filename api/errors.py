@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.db.states import IllegalTransition
 from peagle.spec import SpecInvalidError
+from service.db.states import IllegalTransition
 
 __all__ = ["ApiError", "envelope", "install_error_handlers", "pointer"]
 

@@ -20,8 +20,8 @@ from typing import Any
 import sqlalchemy as sa
 from anyio import to_thread
 
-from api.db import repo, states
-from api.db.models import Job
+from service.db import repo, states
+from service.db.models import Job
 
 __all__ = ["LiveHub", "Tail"]
 

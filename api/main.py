@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from api.deps import AppState
 from api.errors import install_error_handlers
-from api.settings import Settings, get_settings
+from service.settings import Settings, get_settings
 
 __all__ = ["create_app"]
 
@@ -85,9 +85,9 @@ class MetricsMiddleware:
 
 
 def _build_state(settings: Settings) -> AppState:
-    from api.db import upgrade
-    from api.db.session import make_engine, make_read_engine, make_session_factory
-    from api.queue import make_producer
+    from service.db import upgrade
+    from service.db.session import make_engine, make_read_engine, make_session_factory
+    from service.queue import make_producer
 
     url = settings.resolved_database_url()
     if settings.embedded and url.startswith("sqlite"):
@@ -114,9 +114,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from api.db.aio import is_postgres, make_read_pool
         from api.live import LiveHub
         from api.routes.streams import serialize_raw
+        from service.db.aio import is_postgres, make_read_pool
 
         # Each request thread holds at most one pooled connection: keep threads <= pool size so a
         # thread never waits for a connection held by a request that waits for a thread (deadlock).

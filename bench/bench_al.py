@@ -66,7 +66,7 @@ def untrained_export(run: Path, out: Path, layer_init: str = "random") -> Path:
     import torch
 
     from peagle.data.vocab import load_vocab
-    from peagle.export import export_draft
+    from peagle.export.writer import export_draft
     from peagle.pipeline import build_initial_draft, load_target, verifier_name
     from peagle.spec import parse_spec
 
@@ -89,7 +89,7 @@ def untrained_export(run: Path, out: Path, layer_init: str = "random") -> Path:
 
 
 def measure(name: str, export: Path, engine: str, args: argparse.Namespace) -> dict:
-    from peagle.serve_check import run_eval
+    from peagle.eval.serve_check import run_eval
 
     CACHE.mkdir(parents=True, exist_ok=True)
     tag = engine if engine != "reference" or args.dtype == "float32" else f"reference-{args.dtype}"
@@ -145,7 +145,7 @@ def main() -> int:
         if args.peer is None and "peer" in args.drafts.split(","):
             args.peer = ensure_peer_export(DEMO_RUN, PEER_EXPORT)
 
-    from peagle.serve_check import vllm_python
+    from peagle.eval.serve_check import vllm_python
 
     engines = [e for e in args.engines.split(",") if e and (e != "vllm" or vllm_python() is not None)]
     exports: dict[str, Path] = {}

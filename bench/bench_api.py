@@ -260,10 +260,10 @@ def run_load(*args: str) -> dict[str, Any]:
 def _seed(url: str, n: int) -> tuple[str, str]:
     import sqlalchemy as sa
 
-    from api.db import repo, upgrade
-    from api.db.models import Job, new_id, utcnow
-    from api.db.session import make_engine, make_session_factory, session_scope
     from peagle.spec import preset
+    from service.db import repo, upgrade
+    from service.db.models import Job, new_id, utcnow
+    from service.db.session import make_engine, make_session_factory, session_scope
 
     upgrade(url)
     engine = make_engine(url)
@@ -301,8 +301,8 @@ def _writer(url: str, job_id: str, rate: float, duration: float, done: threading
     import redis
     import sqlalchemy as sa
 
-    from api.db.models import Job, JobMetric
-    from api.db.session import make_engine
+    from service.db.models import Job, JobMetric
+    from service.db.session import make_engine
 
     engine = make_engine(url)
     r = redis.Redis.from_url(REDIS)

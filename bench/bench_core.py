@@ -29,9 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peagle.cod import sample_cod  # noqa: E402
-from peagle.flat import build_flat_row, mask_for  # noqa: E402
-from peagle.mask import MAX_DENSE_ELEMENTS, additive_mask, block_mask  # noqa: E402
+from peagle.cod.mask import MAX_DENSE_ELEMENTS, additive_mask, block_mask  # noqa: E402
+from peagle.cod.rows import build_flat_row, mask_for  # noqa: E402
+from peagle.cod.sampling import sample_cod  # noqa: E402
 
 
 def realistic_row(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,8 +71,8 @@ def _time(fn, reps: int) -> tuple[float, object]:
 
 def draft_step(row, layers: int, vd: int, mask: torch.Tensor) -> float:
     """Seconds of one draft forward + KL loss + backward over the flat row (SDPA, dense additive mask)."""
-    from peagle.draft import DraftConfig, PEagleDraft
-    from peagle.loss import cod_loss_sums
+    from peagle.cod.loss import cod_loss_sums
+    from peagle.model.draft import DraftConfig, PEagleDraft
 
     cfg = DraftConfig(
         hidden_size=576,

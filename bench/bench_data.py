@@ -39,11 +39,11 @@ def _medians(fns: dict, reps: int, clock=time.perf_counter) -> dict[str, float]:
 def bench_capture(rows: int, seq: int, reps: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from peagle.builtin import sharegpt_path, smollm2_dir
     from peagle.data.formats import iter_rows
     from peagle.data.packing import pack_documents
     from peagle.data.template import tokenize_many
-    from peagle.fixtures import sharegpt_path, smollm2_dir
-    from peagle.target import TargetCapture
+    from peagle.target.capture import TargetCapture
 
     path = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -82,10 +82,10 @@ def bench_capture(rows: int, seq: int, reps: int) -> None:
 def bench_prep(n: int) -> None:
     from transformers import AutoTokenizer
 
+    from peagle.builtin import sharegpt_path, smollm2_dir
     from peagle.data.formats import IngestReport, iter_rows
     from peagle.data.packing import pack_documents
     from peagle.data.template import tokenize_many
-    from peagle.fixtures import sharegpt_path, smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir()))
     t0 = time.perf_counter()

@@ -138,8 +138,8 @@ def child(data_file: Path, segments: int, threads: int, steps: int = 1, tensors:
     from transformers import AutoConfig
 
     from bench.bench_train_step import FixedSource
-    from peagle.draft import DraftConfig, PEagleDraft
-    from peagle.fixtures import smollm2_dir
+    from peagle.builtin import smollm2_dir
+    from peagle.model.draft import DraftConfig, PEagleDraft
     from peagle.spec import parse_spec
     from peagle.train.loop import Trainer
     from peagle.train.progress import RecordingSink
@@ -218,8 +218,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from bench.bench_train_step import real_row
+    from peagle.builtin import smollm2_dir
     from peagle.data.packing import shift_rows
-    from peagle.fixtures import smollm2_dir
 
     ids, mask, conv_index = real_row(AutoTokenizer.from_pretrained(smollm2_dir()), args.seq_len)
     s_ids, s_mask, s_doc = shift_rows(ids, mask, torch.zeros_like(ids))

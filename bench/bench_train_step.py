@@ -8,7 +8,7 @@ Aux features and target logits are random (timing does not depend on their value
 * ours: `peagle.train.loop.Trainer` steps (COD, dense mask cut into query groups, lm_head + KL on
   supervised elements only, backward, clip, fused AdamW; embeddings trainable), wall time between step
   records. Its fp32 CPU products (linears, lm_head, grouped attention) run as the product runs them
-  (`--gemm auto`: oneDNN on AMD CPUs, ATen = MKL sgemm + SDPA elsewhere, `peagle.core_cpu`); `--gemm
+  (`--gemm auto`: oneDNN on AMD CPUs, ATen = MKL sgemm + SDPA elsewhere, `peagle.model.cpu_kernels`); `--gemm
   onednn` / `--gemm aten` force one route (`aten` is the peer's own kernels). The
   headline ratio freezes our lm_head like the peer's (same trainable set); the ratio with our default
   (trainable lm_head, one more [m, H] x [H, Vd] weight-gradient matmul) is reported beside it;
@@ -41,12 +41,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peagle import core_cpu  # noqa: E402
+from peagle.builtin import sharegpt_path, smollm2_dir  # noqa: E402
 from peagle.data.formats import iter_rows  # noqa: E402
 from peagle.data.packing import shift_rows  # noqa: E402
 from peagle.data.template import tokenize_conversation  # noqa: E402
-from peagle.draft import DraftConfig, PEagleDraft  # noqa: E402
-from peagle.fixtures import sharegpt_path, smollm2_dir  # noqa: E402
+from peagle.model import cpu_kernels as core_cpu  # noqa: E402
+from peagle.model.draft import DraftConfig, PEagleDraft  # noqa: E402
 from peagle.spec import parse_spec  # noqa: E402
 from peagle.train.loop import Trainer  # noqa: E402
 from peagle.train.progress import RecordingSink  # noqa: E402

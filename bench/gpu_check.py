@@ -27,8 +27,8 @@ def _real_batch(seq: int, hidden: int, vd: int) -> dict[str, torch.Tensor]:
     from transformers import AutoTokenizer
 
     from bench.bench_train_step import real_row
+    from peagle.builtin import smollm2_dir
     from peagle.data.packing import shift_rows
-    from peagle.fixtures import smollm2_dir
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir())
     ids, mask, _ = real_row(tok, seq)
@@ -47,8 +47,8 @@ def _run(partitions: int, seq: int, steps: int, warmup: int, batch: dict[str, to
     from transformers import AutoConfig
 
     from bench.bench_train_step import FixedSource
-    from peagle.draft import DraftConfig, PEagleDraft
-    from peagle.fixtures import smollm2_dir
+    from peagle.builtin import smollm2_dir
+    from peagle.model.draft import DraftConfig, PEagleDraft
     from peagle.spec import parse_spec
     from peagle.train.loop import Trainer
     from peagle.train.progress import RecordingSink

@@ -49,12 +49,12 @@ def main() -> int:
     from peagle.data.packing import PackedRows
     from peagle.data.prepare import PreparedData
     from peagle.data.vocab import load_vocab
-    from peagle.draft import PEagleDraft
-    from peagle.export import export_draft, layer_config_from_draft
-    from peagle.features import build_batch_source
+    from peagle.export.writer import export_draft, layer_config_from_draft
+    from peagle.model.draft import PEagleDraft
     from peagle.pipeline import build_initial_draft, load_target, verifier_name
     from peagle.spec import parse_spec
-    from peagle.target import TargetCapture
+    from peagle.target.capture import TargetCapture
+    from peagle.target.sources import build_batch_source
     from peagle.train.optim import build_optimizer, build_scheduler, total_steps
 
     spec = parse_spec(json.loads((args.run / "resolved_spec.json").read_text()))

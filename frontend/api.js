@@ -99,7 +99,7 @@ export function openStream(path, h) {
   return { close: () => es.close() };
 }
 
-/** Job actions allowed in each state (mirrors api/db/states.py; the API still decides). */
+/** Job actions allowed in each state (mirrors service/db/states.py; the API still decides). */
 export const ALLOWED = {
   cancel: ["queued", "running", "pausing", "paused"],
   pause: ["queued", "running"],

@@ -1,7 +1,7 @@
-"""Alembic environment: target metadata = `api.db.models.Base.metadata`.
+"""Alembic environment: target metadata = `service.db.models.Base.metadata`.
 
 The URL is, in order: `config.attributes["url"]` (programmatic use), `-x url=...`, else
-`api.settings.get_settings().resolved_database_url()`. A connection passed in
+`service.settings.get_settings().resolved_database_url()`. A connection passed in
 `config.attributes["connection"]` is used as is.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from api.db.models import Base
-from api.db.session import make_engine
+from service.db.models import Base
+from service.db.session import make_engine
 
 config = context.config
 target_metadata = Base.metadata
@@ -20,7 +20,7 @@ def _url() -> str:
     url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")
     if url:
         return url
-    from api.settings import get_settings
+    from service.settings import get_settings
 
     return get_settings().resolved_database_url()
 

@@ -61,7 +61,7 @@ def load_target(spec: TrainSpec, device: torch.device) -> tuple[Any, Any, Path |
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from peagle.fixtures import resolve_target
+    from peagle.builtin import resolve_target
 
     try:
         path = resolve_target(spec.target.model)
@@ -174,10 +174,10 @@ def run_pipeline(
         `TrainingInterrupted` after a SIGTERM (checkpoint saved).
     """
     from peagle.data.prepare import prepare_data
-    from peagle.draft import PEagleDraft
-    from peagle.export import export_draft
-    from peagle.features import OnlineFeatureSource, build_batch_source
-    from peagle.target import TargetCapture, resolve_aux_layer_ids
+    from peagle.export.writer import export_draft
+    from peagle.model.draft import PEagleDraft
+    from peagle.target.capture import TargetCapture, resolve_aux_layer_ids
+    from peagle.target.sources import OnlineFeatureSource, build_batch_source
     from peagle.train.loop import Trainer, resolve_device
     from peagle.train.optim import total_steps
 
@@ -307,7 +307,7 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
         mask_token_id: the resolved mask token.
         aux_ids: the resolved aux layer ids.
     """
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target, init_layers_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target, init_layers_from_target
 
     torch.manual_seed(spec.optim.seed)
     cfg = DraftConfig.from_target(
@@ -335,7 +335,7 @@ def _best_checkpoint(root: Path) -> Path:
 
 
 def _prompt_ids(spec: TrainSpec, tok: Any) -> list[tuple[str, list[list[int]]]]:
-    from peagle.evaluate import load_prompts, tokenize_prompts
+    from peagle.eval.reference import load_prompts, tokenize_prompts
 
     return [
         (ps.name, tokenize_prompts(tok, load_prompts(ps.name, ps.num_prompts)))
@@ -353,8 +353,8 @@ def _eos_ids(model: Any, tok: Any) -> list[int]:
 def _evaluate_export(
     spec: TrainSpec, ckpt: Path, model: Any, tok: Any, k: int, sink: ProgressSink
 ) -> dict[str, Any]:
-    from peagle.evaluate import evaluate_prompts
-    from peagle.export import load_exported_draft
+    from peagle.eval.reference import evaluate_prompts
+    from peagle.export.writer import load_exported_draft
 
     draft = load_exported_draft(ckpt).to(next(model.parameters()).device)
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
@@ -387,7 +387,7 @@ def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
     prompts = _prompt_ids(spec, tok)[0][1]
 
     def hook(draft: Any, step: int) -> dict[str, float]:
-        from peagle.evaluate import evaluate_prompts
+        from peagle.eval.reference import evaluate_prompts
 
         was_training = draft.training
         draft.eval()
@@ -405,7 +405,7 @@ def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
 
 
 def _copy_export(ckpt: Path, dest: Path) -> Path:
-    from peagle.export import check_export
+    from peagle.export.writer import check_export
 
     tmp = dest.with_name(dest.name + ".tmp")
     if tmp.exists():
@@ -424,7 +424,7 @@ def _serve_check(
     spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink
 ) -> dict[str, Any] | None:
     from peagle.errors import ResourceError
-    from peagle.serve_check import compare_reports, run_vllm_probe, vllm_python
+    from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
 
     if vllm_python() is None:
         sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")

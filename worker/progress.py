@@ -1,4 +1,4 @@
-"""Turn the trainer's JSON-lines progress stream into database batches (`api.db.lease.Batch`).
+"""Turn the trainer's JSON-lines progress stream into database batches (`service.db.lease.Batch`).
 
 The trainer prints one JSON object per line (`common.md`, "Progress stream"): metrics, events (phase,
 progress, checkpoint, eval, warning, resumed, export, error) and logs. `ProgressCollector.add` files each
@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from api.db.lease import Batch
+from service.db.lease import Batch
 
 __all__ = ["ProgressCollector", "parse_line"]
 

@@ -12,7 +12,7 @@ Each pass, in the database (safe to run several reapers: every change is a condi
 With `--resend-queued Q1,Q2` it first sends a message for every queued job on those queues: the
 `filesystem://` broker has no acknowledgements, so a message that a stopped worker had reserved is
 gone. `python -m worker` does this on start in embedded mode. A duplicate message is harmless: a job is
-claimed once (`api.db.lease.claim_job`), the other task returns at once.
+claimed once (`service.db.lease.claim_job`), the other task returns at once.
 The broker is never asked to redeliver anything.
 
 The webhook dispatcher (`worker.webhooks`) runs as a thread of this process (`--no-webhooks` to leave it
@@ -30,12 +30,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.db import states
-from api.db.lease import ReapAction, queued_jobs, reap_lapsed, unsent_queued_jobs
-from api.db.models import Job
-from api.db.session import make_engine, make_session_factory, session_scope
-from api.queue import make_producer
-from api.settings import Settings, get_settings
+from service.db import states
+from service.db.lease import ReapAction, queued_jobs, reap_lapsed, unsent_queued_jobs
+from service.db.models import Job
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.queue import make_producer
+from service.settings import Settings, get_settings
 from worker.live import Publisher
 from worker.webhooks import start_dispatcher
 

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from api.settings import Settings, get_settings
+from service.settings import Settings, get_settings
 
 __all__ = ["ensure_dev_key", "main"]
 
@@ -41,8 +41,8 @@ def say(message: str) -> None:
 
 def ensure_dev_key(settings: Settings, url: str) -> str:
     """The local dev key from `<home>/dev-key`, created (owner `dev`, all scopes) if missing or invalid."""
-    from api.db import repo
-    from api.db.session import make_engine, make_session_factory, session_scope
+    from service.db import repo
+    from service.db.session import make_engine, make_session_factory, session_scope
 
     path = settings.home / "dev-key"
     engine = make_engine(url)
@@ -76,7 +76,7 @@ def _port_free(port: int) -> bool:
 
 
 def _fixture_ready() -> bool:
-    from peagle.fixtures import cache_root
+    from peagle.builtin import cache_root
 
     return (cache_root() / "SmolLM2-135M-Instruct" / ".complete").exists()
 
@@ -135,7 +135,7 @@ def _wait_ready(services: Services, port: int, stop: threading.Event, timeout: f
 
 def main() -> int:
     """Run the service until Ctrl-C; returns the exit status."""
-    from api.db import upgrade
+    from service.db import upgrade
 
     settings = get_settings()
     port = int(os.environ.get("PEAGLE_PORT", "8000"))

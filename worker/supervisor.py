@@ -39,8 +39,9 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.db import states
-from api.db.lease import (
+from peagle.errors import EXIT_CODES
+from service.db import states
+from service.db.lease import (
     Lease,
     LeaseLost,
     dataset_files,
@@ -50,10 +51,9 @@ from api.db.lease import (
     ingest,
     requeue_or_fail,
 )
-from api.db.models import Job
-from api.db.session import session_scope
-from api.settings import Settings
-from peagle.errors import EXIT_CODES
+from service.db.models import Job
+from service.db.session import session_scope
+from service.settings import Settings
 from worker.live import Publisher
 from worker.progress import ProgressCollector, parse_line
 from worker.provenance import read_json, worker_provenance

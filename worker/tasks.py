@@ -14,11 +14,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from api.db import states
-from api.db.lease import ConcurrencyLimited, claim_job, defer_claim, finish
-from api.db.session import make_engine, make_session_factory, session_scope
-from api.queue import TRAIN_TASK, make_producer
-from api.settings import Settings
+from service.db import states
+from service.db.lease import ConcurrencyLimited, claim_job, defer_claim, finish
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.queue import TRAIN_TASK, make_producer
+from service.settings import Settings
 from worker.live import Publisher
 from worker.supervisor import Supervisor
 

@@ -22,8 +22,8 @@ import httpx
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.db import webhooks as wh
-from api.settings import Settings
+from service.db import webhooks as wh
+from service.settings import Settings
 
 __all__ = ["deliver", "dispatch_once", "run_dispatcher", "start_dispatcher"]
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from api.db import repo
 from api.deps import DB, SESSION_COOKIE, Reader, State, releases_db, sign_token
 from api.errors import ApiError
 from api.schemas import SessionCreate, TokenOut, WhoAmI
+from service.db import repo
 
 router = APIRouter(prefix="/v1/auth", tags=["auth"])
 

@@ -23,13 +23,13 @@ from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
-from api.db import repo
-from api.db.models import Checkpoint, Job
 from api.deps import DB, Reader, State, TokenReader, releases_db
 from api.errors import ApiError
 from api.routes.jobs import load_job
 from api.schemas import CheckpointList, ServeCommand
-from api.settings import Settings
+from service.db import repo
+from service.db.models import Checkpoint, Job
+from service.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
 

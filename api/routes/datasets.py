@@ -21,11 +21,11 @@ from fastapi import APIRouter, Query, Request
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
-from api.db import repo
-from api.db.models import Dataset, new_id, utcnow
 from api.deps import DB, AppState, Reader, Writer, releases_db
 from api.errors import ApiError
 from api.schemas import DatasetOut, DatasetPage
+from service.db import repo
+from service.db.models import Dataset, new_id, utcnow
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 

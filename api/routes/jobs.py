@@ -18,13 +18,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.db import aio, repo, states
-from api.db.models import Dataset, Job, JobEvent, new_id, utcnow
 from api.deps import DB, AppState, ReadDB, Reader, State, Writer, authorize, json_ok, jsonable, releases_db
 from api.errors import ApiError, spec_error
 from api.estimate import estimate
 from api.schemas import CloneRequest, ErrorEnvelope, Estimate, JobCreate, JobListParams, JobOut, JobPage
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec, preset, preset_names
+from service.db import aio, repo, states
+from service.db.models import Dataset, Job, JobEvent, new_id, utcnow
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 log = logging.getLogger("peagle.api")

@@ -15,10 +15,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
-from api.db import repo
 from api.deps import ReadDB, Reader, TokenReader, json_ok, releases_db
 from api.routes.jobs import load_job
 from api.schemas import EventPage, LogPage, MetricPage
+from service.db import repo
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

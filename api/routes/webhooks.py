@@ -13,12 +13,12 @@ import sqlalchemy as sa
 from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session
 
-from api.db import repo
-from api.db import webhooks as wh
-from api.db.models import JobEvent, WebhookDelivery, WebhookEndpoint, utcnow
 from api.deps import DB, Reader, State, Writer, json_ok, releases_db
 from api.errors import ApiError
 from api.schemas import DeliveryOut, DeliveryPage, WebhookCreate, WebhookCreated, WebhookOut, WebhookPage
+from service.db import repo
+from service.db import webhooks as wh
+from service.db.models import JobEvent, WebhookDelivery, WebhookEndpoint, utcnow
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 _ID = re.compile(r"[A-Za-z0-9_]{1,64}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from peagle.builtin import resolve_data_path
 from peagle.data.formats import IngestReport, Row, iter_rows
 from peagle.data.packing import PackedRows, pack_documents
 from peagle.data.template import tokenize_many
@@ -32,7 +33,6 @@ from peagle.data.vocab import (
     save_vocab,
 )
 from peagle.errors import DataInvalidError
-from peagle.fixtures import resolve_data_path
 from peagle.spec import TrainSpec
 
 __all__ = ["PreparedData", "data_cache_key", "prepare_data"]

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from peagle.draft import PEagleDraft, select_attention
+from peagle.cod.loss import LOSS_EPS, CodMetrics
 from peagle.errors import TrainingInterrupted
-from peagle.loss import LOSS_EPS, CodMetrics
+from peagle.model.draft import PEagleDraft, select_attention
 from peagle.spec import TrainSpec
 from peagle.train.batch import BatchSource, select_rows
 from peagle.train.checkpoint import (

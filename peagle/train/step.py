@@ -5,7 +5,7 @@ Per micro-batch (peagle.md 1.12, decisions 5 and 9):
 1. each row draws its COD elements ONCE, from a `torch.Generator` seeded by (seed, epoch, index, row),
    so a resumed run and every segment see the same draw;
 2. ONE loss denominator for the micro-batch: the supervised elements of all its rows (all ranks);
-3. every row is split into S segments (`peagle.flat.plan_segments`, the closed form of 1.12); each
+3. every row is split into S segments (`peagle.cod.rows.plan_segments`, the closed form of 1.12); each
    segment ("unit") runs one forward (through `DraftObjective`, the module DDP wraps) and one backward of
    `loss_sum * scale`. Gradients add up to those of the flat forward (S = 1 is the single flat forward).
    With S > 1 the depth-0 context is CARRIED instead of recomputed with grad (1.12 phase 3 as NeMo
@@ -15,12 +15,12 @@ Per micro-batch (peagle.md 1.12, decisions 5 and 9):
    element down to segment 0, each forwarding ONLY its owned elements, which attend to the context
    through those keys / values as leaf tensors. Each backward's gradient on the context keys / values
    is added into per-row buffers and injected into the keys / values of the depth-0 elements when the
-   segment that owns them runs (`peagle.draft.KVCarry`), so a segment that owns nothing supervised still
+   segment that owns them runs (`peagle.model.draft.KVCarry`), so a segment that owns nothing supervised still
    runs when later ones depended on it. Every element is forwarded with grad exactly once; exactness is
    tested against S = 1 (decision 9). Forward-only (evaluation) units keep the recompute form and skip
    segments that own nothing supervised;
 4. only the supervised elements of a unit go through the final norm, `lm_head` and the KL, fused in row
-   chunks (`peagle.loss.head_loss_sums`: no [m, Vd] tensor).
+   chunks (`peagle.cod.loss.head_loss_sums`: no [m, Vd] tensor).
 
 CPU (dense) attention: each unit's mask is built once as an additive float mask and cut into
 `QueryGroups` (block-sparse SDPA) before the forward, so no [n, n] mask stays alive during it. The
@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from peagle.cod import sample_cod
-from peagle.draft import KVCarry, PEagleDraft, group_queries
-from peagle.flat import (
+from peagle.cod.loss import CodMetrics, head_loss_sums
+from peagle.cod.mask import additive_mask, check_dense_fits
+from peagle.cod.rows import (
     FlatRow,
     block_mask_for,
     build_flat_row,
@@ -59,8 +59,8 @@ from peagle.flat import (
     segment_row,
     subset_row,
 )
-from peagle.loss import CodMetrics, head_loss_sums
-from peagle.mask import additive_mask, check_dense_fits
+from peagle.cod.sampling import sample_cod
+from peagle.model.draft import KVCarry, PEagleDraft, group_queries
 
 __all__ = [
     "EVAL_EPOCH",
@@ -493,7 +493,7 @@ def weight_sum(rows: list[FlatRow]) -> Tensor:
     """Total supervision weight of (rank-local) rows: float32 scalar, unclamped (0 when none).
 
     The micro-batch denominator is the SUM of this over ranks, clamped >= `LOSS_EPS`
-    (`peagle.flat.loss_denominator` for a single process).
+    (`peagle.cod.rows.loss_denominator` for a single process).
     """
     if not rows:
         return torch.zeros(())

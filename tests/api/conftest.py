@@ -16,11 +16,11 @@ import sqlalchemy as sa
 import uvicorn
 from fastapi.testclient import TestClient
 
-from api.db import repo, upgrade
-from api.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric, utcnow
-from api.db.session import make_engine, make_session_factory, session_scope
 from api.main import create_app
-from api.settings import Settings, get_settings
+from service.db import repo, upgrade
+from service.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric, utcnow
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.settings import Settings, get_settings
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.integration)]
 
@@ -50,13 +50,13 @@ def pg_api_url(postgres_admin_url: str) -> Iterator[str]:
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated, empty database: a SQLite file, or the session's PostgreSQL database truncated."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'api.db'}"
+        url = f"sqlite:///{tmp_path / 'service.db'}"
         upgrade(url)
         return url
     url = request.getfixturevalue("pg_api_url")
     engine = make_engine(url)
     with engine.begin() as conn:
-        from api.db.models import Base
+        from service.db.models import Base
 
         names = ", ".join(f'"{t}"' for t in Base.metadata.tables)
         conn.execute(sa.text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))

@@ -14,11 +14,11 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from api.db import downgrade, upgrade
-from api.db.models import Base
-from api.db.session import make_engine
-from api.queue import broker_folders, make_producer
-from api.settings import get_settings
+from service.db import downgrade, upgrade
+from service.db.models import Base
+from service.db.session import make_engine
+from service.queue import broker_folders, make_producer
+from service.settings import get_settings
 
 
 def _diff(url: str) -> list[Any]:
@@ -61,7 +61,7 @@ def test_migrations_round_trip(fresh_url: str) -> None:
 
 
 def test_api_does_not_import_torch() -> None:
-    code = ("import sys, api.main, api.admin, api.db.lease, peagle.client, peagle.cli_jobs; "
+    code = ("import sys, api.main, api.admin, service.db.lease, peagle.client, peagle.cli.jobs; "
             "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'worker') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[2])

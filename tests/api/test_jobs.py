@@ -8,10 +8,10 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from api.db import states
-from api.db.models import Job, JobMetric
-from api.db.session import session_scope
 from api.main import create_app
+from service.db import states
+from service.db.models import Job, JobMetric
+from service.db.session import session_scope
 
 Sim = Any
 
@@ -64,8 +64,8 @@ def test_auth_and_scopes(client: TestClient, sim: Sim) -> None:
 
 
 def test_revoked_key(client: TestClient, sim: Sim) -> None:
-    from api.db import repo
-    from api.db.session import session_scope
+    from service.db import repo
+    from service.db.session import session_scope
 
     key = sim.key("dave", "write")
     h = {"Authorization": f"Bearer {key}"}

@@ -15,11 +15,11 @@ from fastapi import FastAPI, Query
 from fastapi.testclient import TestClient
 
 from api import deps
-from api.db import aio, repo
-from api.db.session import make_engine, make_read_engine
 from api.main import GC_YOUNG_THRESHOLD, create_app
 from api.routes.jobs import _query_parameters
 from api.schemas import JobListParams
+from service.db import aio, repo
+from service.db.session import make_engine, make_read_engine
 
 Sim = Any
 
@@ -202,7 +202,7 @@ def test_lifespan_gc_settings_are_restored(settings: Any) -> None:
 
 
 def repo_session(sim: Sim) -> Any:
-    from api.db.session import session_scope
+    from service.db.session import session_scope
 
     return session_scope(sim.sessions)
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from standardwebhooks import Webhook
 
-from api.db.session import make_engine, make_session_factory
+from service.db.session import make_engine, make_session_factory
 from worker.webhooks import run_dispatcher
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle.serve_check import compare_reports, run_vllm_probe, vllm_python
+from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 def smollm2_export(smollm2_path, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
-    from peagle.export import export_draft
+    from peagle.export.writer import export_draft
+    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 
     if vllm_python() is None:
         pytest.skip("vLLM venv missing: run `make vllm-env` (builds .vllm-venv)")
@@ -34,7 +34,7 @@ def smollm2_export(smollm2_path, tmp_path_factory):
 
 
 def test_vllm_loads_with_parallel_drafting(smollm2_export, smollm2_tokenizer, monkeypatch):
-    from peagle.evaluate import evaluate_prompts, tokenize_prompts
+    from peagle.eval.reference import evaluate_prompts, tokenize_prompts
 
     # walk-through: with TQDM_DISABLE in the environment, vLLM's generate died dividing by zero
     monkeypatch.setenv("TQDM_DISABLE", "1")

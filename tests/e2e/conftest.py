@@ -64,7 +64,7 @@ class Server:
 _LAUNCH = """
 import uvicorn
 from api.main import create_app
-from api.settings import get_settings
+from service.settings import get_settings
 uvicorn.run(create_app(get_settings()), host="127.0.0.1", port={port}, log_level="warning", access_log=False)
 """
 
@@ -75,8 +75,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from alembic import command
     from alembic.config import Config
 
-    from api.db import repo
-    from api.db.session import make_engine, make_session_factory, session_scope
+    from service.db import repo
+    from service.db.session import make_engine, make_session_factory, session_scope
 
     home = tmp_path_factory.mktemp("peagle-home")
     db_url = f"sqlite:///{home / 'peagle.db'}"

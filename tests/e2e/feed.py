@@ -1,7 +1,7 @@
 """Write job progress into the database exactly as the worker does (claim, ingest, finish).
 
 The browser tests use this to make a job produce live metrics, events, logs and checkpoints without a
-GPU or a trainer process: `api.db.lease` is the worker's own write path, so the API and the dashboard
+GPU or a trainer process: `service.db.lease` is the worker's own write path, so the API and the dashboard
 see the same rows a real run produces. Checkpoint files are real files under the job's artifact dir.
 """
 
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api.db import lease as lease_db
-from api.db.session import make_engine, make_session_factory, session_scope
+from service.db import lease as lease_db
+from service.db.session import make_engine, make_session_factory, session_scope
 
 __all__ = ["Feeder", "metric_values"]
 

@@ -47,8 +47,8 @@ class Stack:
 
     def __init__(self, tmp: Path, *, database_url: str, broker_url: str | None, redis_url: str | None,
                  fake_trainer: bool) -> None:
-        from api.db.session import make_engine, make_session_factory
-        from api.settings import Settings
+        from service.db.session import make_engine, make_session_factory
+        from service.settings import Settings
 
         self.tmp = tmp
         self.queue = f"q{uuid.uuid4().hex[:8]}"
@@ -126,9 +126,9 @@ class Stack:
 
     def submit(self, spec: dict[str, Any], *, max_restarts: int | None = None) -> str:
         """Insert a queued job for a test owner and send it to the broker (as the API does)."""
-        from api.db.models import Job, Owner, utcnow
-        from api.db.session import session_scope
-        from api.queue import make_producer
+        from service.db.models import Job, Owner, utcnow
+        from service.db.session import session_scope
+        from service.queue import make_producer
 
         with session_scope(self.factory) as s:
             owner = s.execute(sa.select(Owner).where(Owner.name == "tests")).scalar()
@@ -151,8 +151,8 @@ class Stack:
 
     def add_dataset(self, path: Path) -> str:
         """A `dataset` row of owner `tests` for a local file; returns its id."""
-        from api.db.models import Dataset, Owner
-        from api.db.session import session_scope
+        from service.db.models import Dataset, Owner
+        from service.db.session import session_scope
 
         with session_scope(self.factory) as s:
             owner = s.execute(sa.select(Owner).where(Owner.name == "tests")).scalar()
@@ -167,14 +167,14 @@ class Stack:
             return ds.id
 
     def set(self, job_id: str, **values: Any) -> None:
-        from api.db.models import Job
-        from api.db.session import session_scope
+        from service.db.models import Job
+        from service.db.session import session_scope
 
         with session_scope(self.factory) as s:
             s.execute(sa.update(Job).where(Job.id == job_id).values(**values))
 
     def job(self, job_id: str) -> Any:
-        from api.db.models import Job
+        from service.db.models import Job
 
         with self.factory() as s:
             return s.get(Job, job_id)

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from api.db import lease as L
-from api.db.models import Checkpoint, Job, JobEvent, JobMetric, Owner, utcnow
-from api.db.session import make_engine, make_session_factory, session_scope
-from api.settings import Settings
 from peagle.spec import preset
+from service.db import lease as L
+from service.db.models import Checkpoint, Job, JobEvent, JobMetric, Owner, utcnow
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.settings import Settings
 from worker.progress import ProgressCollector
 from worker.supervisor import build_command, classify_exit
 
 
 @pytest.fixture
 def factory(tmp_path):
-    from api.db import upgrade
+    from service.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     upgrade(url)

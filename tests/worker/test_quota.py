@@ -12,16 +12,16 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
-from api.db import lease as L
-from api.db import states
-from api.db.models import Job, JobEvent, Owner, utcnow
-from api.db.session import make_engine, make_session_factory, session_scope
 from peagle.spec import preset
+from service.db import lease as L
+from service.db import states
+from service.db.models import Job, JobEvent, Owner, utcnow
+from service.db.session import make_engine, make_session_factory, session_scope
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.integration)])
 def factory(request, tmp_path):
-    from api.db import upgrade
+    from service.db import upgrade
 
     url = f"sqlite:///{tmp_path / 'db.sqlite'}" if request.param == "sqlite" else request.getfixturevalue(
         "postgres_url")

@@ -9,9 +9,9 @@ import time
 import pytest
 from standardwebhooks import Webhook
 
-from api.db import webhooks as wh
-from api.db.models import Owner, WebhookEndpoint
-from api.db.session import session_scope
+from service.db import webhooks as wh
+from service.db.models import Owner, WebhookEndpoint
+from service.db.session import session_scope
 from tests.api.test_webhooks import Receiver
 
 pytestmark = pytest.mark.integration

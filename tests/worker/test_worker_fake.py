@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from api.db.models import Checkpoint, JobEvent, JobMetric
+from service.db.models import Checkpoint, JobEvent, JobMetric
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from api.db.models import JobEvent, JobLog, JobMetric
+from service.db.models import JobEvent, JobLog, JobMetric
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,9 +35,9 @@ def api(tiny_target_path):
     """`api(stack)` -> an httpx-style TestClient on the API app with a write key of owner `tests`."""
     from fastapi.testclient import TestClient
 
-    from api.db import repo
-    from api.db.session import session_scope
     from api.main import create_app
+    from service.db import repo
+    from service.db.session import session_scope
 
     clients = []
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peagle.flat import FlatRow, build_flat_row, loss_denominator
-from peagle.loss import LOSS_EPS, CodMetrics, cod_loss_sums, kl_per_position, tau_sim
+from peagle.cod.loss import LOSS_EPS, CodMetrics, cod_loss_sums, kl_per_position, tau_sim
+from peagle.cod.rows import FlatRow, build_flat_row, loss_denominator
 
 
 def test_kl_shapes_zero_and_formula() -> None:

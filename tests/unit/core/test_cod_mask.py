@@ -10,10 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peagle.cod import sample_cod
-from peagle.errors import ResourceError
-from peagle.flat import build_flat_row, mask_for
-from peagle.mask import (
+from peagle.cod.mask import (
     MAX_DENSE_ELEMENTS,
     additive_mask,
     block_mask,
@@ -21,6 +18,9 @@ from peagle.mask import (
     cod_mask_mod,
     dense_mask,
 )
+from peagle.cod.rows import build_flat_row, mask_for
+from peagle.cod.sampling import sample_cod
+from peagle.errors import ResourceError
 
 
 def _t(x: list[int]) -> torch.Tensor:
@@ -218,7 +218,7 @@ def test_dense_structured_path_on_shuffled_segment() -> None:
 
 
 def test_block_mask_for_segment_row() -> None:
-    from peagle.flat import block_mask_for, plan_segments, segment_row
+    from peagle.cod.rows import block_mask_for, plan_segments, segment_row
 
     a, d, docs = _row_case(4)
     row = build_flat_row(torch.arange(docs.numel()), (docs >= 0).long(), docs, a, d, mask_token_id=99)

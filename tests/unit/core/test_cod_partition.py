@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from peagle.cod import assign_segments, sample_cod
-from peagle.flat import (
+from peagle.cod.loss import CodMetrics, cod_loss_sums
+from peagle.cod.mask import additive_mask
+from peagle.cod.rows import (
     FlatRow,
     build_flat_row,
     loss_denominator,
@@ -19,8 +20,7 @@ from peagle.flat import (
     segment_row,
     subset_row,
 )
-from peagle.loss import CodMetrics, cod_loss_sums
-from peagle.mask import additive_mask
+from peagle.cod.sampling import assign_segments, sample_cod
 
 DET_A = [*range(8), *range(7), *range(6), *range(5)]
 DET_D = [0] * 8 + [1] * 7 + [2] * 6 + [3] * 5

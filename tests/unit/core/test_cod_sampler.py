@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peagle.cod import sample_cod
+from peagle.cod.sampling import sample_cod
 
 
 def reference_cod(loss_mask: list[int], k: int, r: float, r_min: float) -> tuple[list[int], list[int]]:

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 @pytest.fixture(autouse=True)
 def _onednn_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests check the oneDNN kernels, which the product uses on AMD CPUs only: force the route."""
-    import peagle.core_cpu as gemm
+    import peagle.model.cpu_kernels as gemm
 
     monkeypatch.setattr(gemm, "ONEDNN", True)
 
 
 def test_the_route_follows_the_cpu_vendor_and_the_override() -> None:
-    from peagle.core_cpu import choose_onednn, cpu_vendor
+    from peagle.model.cpu_kernels import choose_onednn, cpu_vendor
 
     amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n"
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\n"
@@ -27,7 +27,7 @@ def test_the_route_follows_the_cpu_vendor_and_the_override() -> None:
 
 
 def test_auto_route_is_what_uses_onednn_reports(monkeypatch: pytest.MonkeyPatch) -> None:
-    import peagle.core_cpu as gemm
+    import peagle.model.cpu_kernels as gemm
 
     monkeypatch.setattr(gemm, "ONEDNN", None)
     x = torch.zeros(2, 3)
@@ -39,7 +39,7 @@ def test_auto_route_is_what_uses_onednn_reports(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("lead", [(7,), (2, 5), (1, 0)])
 @pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
 def test_linear_matches_f_linear_values_and_grads(lead: tuple[int, ...], grads: tuple[bool, bool]) -> None:
-    from peagle.core_cpu import linear
+    from peagle.model.cpu_kernels import linear
 
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(*lead, 24, generator=g)
@@ -62,7 +62,7 @@ def test_linear_matches_f_linear_values_and_grads(lead: tuple[int, ...], grads: 
 
 def test_linear_takes_expanded_and_transposed_gradients() -> None:
     """`sum()` gives an expanded (stride 0) gradient; a transposed input gives a column-major one."""
-    from peagle.core_cpu import linear
+    from peagle.model.cpu_kernels import linear
 
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(16, 9, generator=g).t()  # [9, 16], column-major
@@ -77,7 +77,7 @@ def test_linear_takes_expanded_and_transposed_gradients() -> None:
 
 
 def test_mm_nt_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import peagle.core_cpu as gemm
+    import peagle.model.cpu_kernels as gemm
 
     g = torch.Generator().manual_seed(2)
     a = torch.randn(6, 11, generator=g)
@@ -94,11 +94,11 @@ def test_mm_nt_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_grouped_attention_equals_one_dense_sdpa_call() -> None:
     """fp32 values and q/k/v gradients of the oneDNN grouped kernel == SDPA with the full mask (GQA 4/2)."""
-    from peagle.cod import sample_cod
-    from peagle.core_cpu import grouped_attention, uses_onednn
-    from peagle.draft import group_queries
-    from peagle.flat import build_flat_row, mask_for
-    from peagle.mask import additive_mask
+    from peagle.cod.mask import additive_mask
+    from peagle.cod.rows import build_flat_row, mask_for
+    from peagle.cod.sampling import sample_cod
+    from peagle.model.cpu_kernels import grouped_attention, uses_onednn
+    from peagle.model.draft import group_queries
 
     g = torch.Generator().manual_seed(3)
     t = 256

@@ -6,7 +6,7 @@ import torch
 def test_fused_kl_matches_autograd_reference() -> None:
     import torch.nn.functional as F
 
-    from peagle.loss import kl_per_position
+    from peagle.cod.loss import kl_per_position
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
@@ -29,8 +29,8 @@ def test_fused_kl_matches_autograd_reference() -> None:
 
 def test_fused_head_matches_materialised_logits(monkeypatch) -> None:
     """lm_head + KL in row chunks == `cod_loss_sums` on the full logits: loss, metrics, both gradients."""
-    import peagle.loss as loss_mod
-    from peagle.loss import cod_loss_sums, head_loss_sums
+    import peagle.cod.loss as loss_mod
+    from peagle.cod.loss import cod_loss_sums, head_loss_sums
 
     monkeypatch.setattr(loss_mod, "HEAD_CHUNK_BYTES", 16 * 4 * 40)  # 16-row chunks of a 40-wide vocab
     g = torch.Generator().manual_seed(1)

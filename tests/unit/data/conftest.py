@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model():
     """4-layer random Llama (hidden 64, vocab 49152 = SmolLM2's tokenizer), fp32, eval."""
-    from peagle.fixtures import build_tiny_llama
+    from peagle.builtin import build_tiny_llama
 
     return build_tiny_llama(vocab_size=49152, seed=0)
 
@@ -16,8 +16,8 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def sharegpt_rows() -> list[dict]:
     """The first 40 real ShareGPT rows, read by streaming."""
+    from peagle.builtin import sharegpt_path
     from peagle.data.formats import iter_rows
-    from peagle.fixtures import sharegpt_path
 
     try:
         path = sharegpt_path()

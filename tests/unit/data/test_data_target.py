@@ -9,8 +9,13 @@ import torch
 
 from peagle.data.packing import PackedRows, pack_documents
 from peagle.errors import DataInvalidError, TargetLoadError
-from peagle.features import OfflineFeatureSource, OnlineFeatureSource, write_feature_shards
-from peagle.target import TargetCapture, block_causal_mask, document_position_ids, resolve_aux_layer_ids
+from peagle.target.capture import (
+    TargetCapture,
+    block_causal_mask,
+    document_position_ids,
+    resolve_aux_layer_ids,
+)
+from peagle.target.sources import OfflineFeatureSource, OnlineFeatureSource, write_feature_shards
 
 
 def test_resolve_aux_layer_ids():

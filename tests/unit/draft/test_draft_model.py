@@ -7,10 +7,16 @@ import math
 import pytest
 import torch
 
-from peagle.cod import sample_cod
-from peagle.draft import DraftConfig, PEagleDraft, expected_state_keys, init_from_target, select_attention
-from peagle.fixtures import build_tiny_llama
-from peagle.flat import block_mask_for, build_flat_row, mask_for
+from peagle.builtin import build_tiny_llama
+from peagle.cod.rows import block_mask_for, build_flat_row, mask_for
+from peagle.cod.sampling import sample_cod
+from peagle.model.draft import (
+    DraftConfig,
+    PEagleDraft,
+    expected_state_keys,
+    init_from_target,
+    select_attention,
+)
 
 V, VD, H = 256, 64, 32
 
@@ -109,8 +115,8 @@ def test_carried_context_keys_give_the_same_hidden_states(target: torch.nn.Modul
     """A segment's owned elements attending to its depth-0 context through carried keys / values
     (`KVCarry`: one no-grad pass over the depth-0 prefix) equal the forward over [context ; owned],
     with the dense (rectangular) mask and with flex (`block_mask_for(query_offset=...)`)."""
-    from peagle.draft import KVCarry
-    from peagle.flat import plan_segments, segment_row, subset_row
+    from peagle.cod.rows import plan_segments, segment_row, subset_row
+    from peagle.model.draft import KVCarry
 
     draft, _ = _draft(target)
     row, aux = _flat(seed=3, t=32)
@@ -158,8 +164,8 @@ def test_config_round_trip_and_validation(target: torch.nn.Module) -> None:
 def test_query_groups_equal_one_dense_sdpa_call() -> None:
     import torch.nn.functional as F
 
-    from peagle.draft import QueryGroups, attend, group_queries
-    from peagle.mask import additive_mask
+    from peagle.cod.mask import additive_mask
+    from peagle.model.draft import QueryGroups, attend, group_queries
 
     row, _ = _flat(seed=5, t=256)  # two documents + padding, K = 4: N well above GROUP_MIN_ELEMENTS
     n = row.num_elements
@@ -190,9 +196,9 @@ def test_query_groups_equal_one_dense_sdpa_call() -> None:
 def test_draft_gives_the_same_hidden_for_bool_additive_and_grouped_masks(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import peagle.draft as draft_mod
-    from peagle.draft import group_queries
-    from peagle.mask import additive_mask
+    import peagle.model.draft as draft_mod
+    from peagle.cod.mask import additive_mask
+    from peagle.model.draft import group_queries
 
     draft, _ = _draft(target)
     row, aux = _flat(seed=6, t=256)
@@ -213,7 +219,7 @@ def test_draft_gives_the_same_hidden_for_bool_additive_and_grouped_masks(
 def test_masked_slots_projected_once_give_the_same_values_and_grads(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from peagle.draft import PEagleFirstLayer
+    from peagle.model.draft import PEagleFirstLayer
 
     row, aux = _flat(seed=7, t=40)
     assert bool(row.is_masked.any()) and bool((~row.is_masked).any())
@@ -240,7 +246,7 @@ def test_masked_slots_projected_once_give_the_same_values_and_grads(
 def test_layers_start_from_the_target_when_asked(target: torch.nn.Module) -> None:
     """`init_layers_from_target`: draft layer i <- target layer N-L+i, the fused q/k/v in both halves,
     fc passes on the last aux layer, the final norm is the target's; nothing else changes."""
-    from peagle.draft import init_layers_from_target
+    from peagle.model.draft import init_layers_from_target
 
     draft, _ = _draft(target, layers=1)
     before = {k: v.clone() for k, v in draft.state_dict().items()}
@@ -297,7 +303,7 @@ def test_the_run_draft_follows_the_spec_layer_init(target: torch.nn.Module) -> N
 
 
 def test_norms_are_copied_as_the_scale_they_apply() -> None:
-    from peagle.draft import _norm_scale
+    from peagle.model.draft import _norm_scale
 
     class OnePlus(torch.nn.Module):  # Gemma-style RMSNorm: scale = 1 + w
         def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """`compare_reports`: the side-by-side written to RUN/export/serve_check.json."""
 
-from peagle.serve_check import compare_reports
+from peagle.eval.serve_check import compare_reports
 
 
 def test_outputs_not_compared_when_one_side_has_none() -> None:

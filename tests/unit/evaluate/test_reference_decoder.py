@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peagle.errors import DataInvalidError
-from peagle.evaluate import (
+from peagle.eval.reference import (
     DecodeResult,
     DraftProposer,
     evaluate_prompts,
@@ -25,14 +25,14 @@ PROMPT = [5, 17, 33, 99, 100, 7]
 
 @pytest.fixture(scope="module")
 def target():
-    from peagle.fixtures import build_tiny_llama
+    from peagle.builtin import build_tiny_llama
 
     return build_tiny_llama(vocab_size=V, hidden_size=H, num_layers=N, seed=3)
 
 
 @pytest.fixture(scope="module")
 def draft(target):
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 
     cfg = DraftConfig.from_target(target.config, num_layers=2, draft_vocab_size=64, mask_token_id=V - 1,
                                   aux_layer_ids=[1, 2, 3])  # fmt: skip
@@ -89,7 +89,7 @@ def _force(draft, greedy, n_right: int):
 
 
 def test_forced_draft_is_accepted_and_output_unchanged(target, greedy):
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 
     cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=None, mask_token_id=V - 1,
                                   aux_layer_ids=[1, 2, 3])  # fmt: skip
@@ -164,7 +164,7 @@ def test_prompts_go_through_the_chat_template(smollm2_tokenizer):
 
 def test_cached_proposer_equals_full_recompute(target, draft):
     """The draft KV cache gives the same logits (hence proposals) as recomputing every slot, step by step."""
-    from peagle.evaluate import CachedDraftProposer
+    from peagle.eval.reference import CachedDraftProposer
 
     full, cached = DraftProposer(draft, 3), CachedDraftProposer(draft, 3)
     seen: list[torch.Tensor] = []
@@ -196,7 +196,7 @@ def test_cached_proposer_equals_full_recompute(target, draft):
 
 def test_cached_proposer_starts_over_on_another_prefix(target, draft):
     """Without reset, a sequence that does not extend the cached one is recomputed from scratch."""
-    from peagle.evaluate import CachedDraftProposer, TargetStepper
+    from peagle.eval.reference import CachedDraftProposer, TargetStepper
 
     stepper = TargetStepper(target, [1, 2, 3])
     _, aux = stepper.forward(PROMPT)

@@ -13,7 +13,7 @@ V, H, VD, LAYERS, N_TARGET = 512, 64, 128, 2, 8
 
 @pytest.fixture(scope="module")
 def tiny_target():
-    from peagle.fixtures import build_tiny_llama
+    from peagle.builtin import build_tiny_llama
 
     return build_tiny_llama(vocab_size=V, hidden_size=H, num_layers=N_TARGET, num_heads=4, num_kv_heads=2)
 
@@ -28,7 +28,7 @@ def verifier_dir(tiny_target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_target):
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 
     cfg = DraftConfig.from_target(
         tiny_target.config, num_layers=LAYERS, draft_vocab_size=VD, mask_token_id=V - 1,
@@ -44,7 +44,7 @@ def tiny_draft(tiny_target):
 
 @pytest.fixture
 def export_dir(tiny_draft, tiny_target, verifier_dir, tmp_path) -> Path:
-    from peagle.export import export_draft
+    from peagle.export.writer import export_draft
 
     return export_draft(
         tiny_draft, tmp_path / "export", num_speculative_tokens=3, verifier_name_or_path=str(verifier_dir),

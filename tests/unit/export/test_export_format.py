@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peagle.draft import expected_state_keys
-from peagle.export import export_draft, load_exported_draft, validate_export
+from peagle.export.writer import export_draft, load_exported_draft, validate_export
+from peagle.model.draft import expected_state_keys
 
 V, H, VD, LAYERS = 512, 64, 128, 2  # the shapes built by conftest.py
 
@@ -60,7 +60,7 @@ def test_eagle3_layout_is_valid_and_plain(tiny_draft, tmp_path):
 
 
 def test_training_only_tensors_and_prefix_are_dropped(tiny_draft, tmp_path):
-    from peagle.export import export_state_dict
+    from peagle.export.writer import export_state_dict
 
     sd = {f"model.{k}": v for k, v in tiny_draft.state_dict().items()}
     sd["verifier_lm_head.weight"] = torch.zeros(VD, H)
@@ -94,7 +94,7 @@ def test_round_trip_gives_the_same_logits(tiny_draft, export_dir):
 
 
 def test_full_vocab_export_has_no_mapping(tiny_target, tmp_path):
-    from peagle.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 
     cfg = DraftConfig.from_target(tiny_target.config, num_layers=1, draft_vocab_size=None, mask_token_id=3,
                                   aux_layer_ids=[2, 4, 5])  # fmt: skip
@@ -108,8 +108,8 @@ def test_full_vocab_export_has_no_mapping(tiny_target, tmp_path):
 
 
 def test_export_refuses_a_nan_draft(tiny_target, tmp_path):
-    from peagle.draft import DraftConfig, PEagleDraft
     from peagle.errors import ExportInvalidError
+    from peagle.model.draft import DraftConfig, PEagleDraft
 
     cfg = DraftConfig.from_target(tiny_target.config, num_layers=1, draft_vocab_size=None, mask_token_id=3,
                                   aux_layer_ids=[2, 4, 5])  # fmt: skip

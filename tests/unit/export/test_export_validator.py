@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle.errors import ExportInvalidError
-from peagle.export import check_export, validate_export
+from peagle.export.writer import check_export, validate_export
 
 H, V, VD = 64, 512, 128
 

@@ -23,13 +23,13 @@ def test_importing_api_main_does_not_import_torch() -> None:
         pytest.fail("api/main.py is missing")
     loaded = _fresh(
         "import sys, api.main; "
-        "print(sorted(m for m in ('torch','transformers','worker','peagle.draft','peagle.train') if m in sys.modules))"
+        "print(sorted(m for m in ('torch','transformers','worker','peagle.model.draft','peagle.train') if m in sys.modules))"
     )
     assert loaded == "[]"
 
 
 def test_importing_spec_and_settings_is_light() -> None:
-    loaded = _fresh("import sys, peagle.spec, api.settings; print('torch' in sys.modules, 'fastapi' in sys.modules)")
+    loaded = _fresh("import sys, peagle.spec, service.settings; print('torch' in sys.modules, 'fastapi' in sys.modules)")
     assert loaded == "False False"
 
 

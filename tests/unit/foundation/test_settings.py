@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from api.settings import Settings, get_settings
+from service.settings import Settings, get_settings
 
 
 def test_defaults_are_embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,6 +37,6 @@ def test_bad_environment_value_names_the_field(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_settings_module_has_no_instance_at_import() -> None:
-    import api.settings as mod
+    import service.settings as mod
 
     assert not any(isinstance(v, Settings) for v in vars(mod).values())

@@ -13,7 +13,7 @@ from train_helpers import tiny_draft, tiny_source, tiny_spec
 
 import peagle.train.loop as loop_mod
 import peagle.train.step as step_mod
-from peagle.flat import loss_denominator
+from peagle.cod.rows import loss_denominator
 from peagle.train.loop import Trainer
 from peagle.train.optim import RowLazyAdamW, clip_grad_norm, grad_rows
 from peagle.train.step import DraftObjective, StepSettings, plan_rows, release_free_memory, run_micro_batch

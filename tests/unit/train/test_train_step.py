@@ -9,10 +9,10 @@ import torch
 from train_helpers import tiny_draft, tiny_source
 
 import peagle.train.step as step_mod
-from peagle.draft import PEagleDraft
+from peagle.cod.mask import check_dense_fits
+from peagle.cod.rows import loss_denominator
 from peagle.errors import ResourceError
-from peagle.flat import loss_denominator
-from peagle.mask import check_dense_fits
+from peagle.model.draft import PEagleDraft
 from peagle.train.step import DraftObjective, StepSettings, plan_rows, run_micro_batch
 
 
@@ -140,8 +140,8 @@ def test_cod_draw_is_keyed_by_position() -> None:
 
 def _reference_loss_and_grads(draft: PEagleDraft, settings: StepSettings, batch: dict) -> tuple[float, dict]:
     """The step written plainly: one bool-mask forward per row, materialised logits, dense embedding grad."""
-    from peagle.flat import mask_for
-    from peagle.loss import cod_loss_sums
+    from peagle.cod.loss import cod_loss_sums
+    from peagle.cod.rows import mask_for
 
     draft.zero_grad(set_to_none=True)
     rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
@@ -161,7 +161,7 @@ def _reference_loss_and_grads(draft: PEagleDraft, settings: StepSettings, batch:
 
 def test_fast_paths_equal_the_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Query-grouped attention, fused lm_head + KL and the sparse (row) embedding gradient change no number."""
-    import peagle.draft as draft_mod
+    import peagle.model.draft as draft_mod
 
     monkeypatch.setattr(draft_mod, "GROUP_MIN_ELEMENTS", 16)  # tiny rows: group them too
     monkeypatch.setattr(draft_mod, "GROUP_QUERIES", 16)
@@ -222,7 +222,7 @@ def test_partitioned_units_keep_only_their_own_rows() -> None:
 
 
 def test_inject_grad_adds_to_the_leading_rows() -> None:
-    from peagle.draft import _InjectGrad
+    from peagle.model.draft import _InjectGrad
 
     x = torch.randn(1, 2, 5, 3, requires_grad=True)
     g = torch.randn(1, 2, 2, 3)

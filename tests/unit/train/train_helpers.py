@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from peagle.draft import DraftConfig, PEagleDraft, init_from_target
-from peagle.fixtures import build_tiny_llama
+from peagle.builtin import build_tiny_llama
+from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 from peagle.spec import TrainSpec, parse_spec
 from peagle.train.batch import SyntheticBatchSource
 

@@ -7,7 +7,7 @@ The trainer's contract, per micro-batch (B rows) and step::
     den  = loss_denominator([row_0, ..., row_{B-1}])        # ONE denominator for the micro-batch
     for seg in plan_segments(row, T, S):                      # S = 1: one segment with everything
         sub  = segment_row(row, seg)                          # weight zeroed where not owned
-        check_dense_fits(sub.num_elements)                    # CPU only (peagle.mask)
+        check_dense_fits(sub.num_elements)                    # CPU only (peagle.cod.mask)
         mask = additive_mask(mask_for(sub), q_dtype)          # [n, n] for SDPA, once for all layers
                                                               # (CUDA: block_mask_for(sub) + flex)
         # draft input: embed(sub.input_ids), fc(where(sub.is_masked, mask_hidden, aux[sub.ref_pos])),
@@ -30,7 +30,7 @@ flat forward and the segment losses sum to the flat loss.
 The loop above is the plain form (NeMo's phase 3: the context is recomputed with grad in every
 segment). The trainer computes the same gradients with less memory: it forwards each segment's owned
 elements only and carries the depth-0 context's keys / values and their gradients between segments
-(`peagle.train.step`, `peagle.draft.KVCarry`, `block_mask_for(..., query_offset=)`).
+(`peagle.train.step`, `peagle.model.draft.KVCarry`, `block_mask_for(..., query_offset=)`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from torch import Tensor
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-from peagle.cod import assign_segments
-from peagle.loss import LOSS_EPS
-from peagle.mask import dense_mask_from_element_docs, mask_mod_from_element_docs
+from peagle.cod.loss import LOSS_EPS
+from peagle.cod.mask import dense_mask_from_element_docs, mask_mod_from_element_docs
+from peagle.cod.sampling import assign_segments
 
 __all__ = [
     "FlatRow",
@@ -115,8 +115,8 @@ def build_flat_row(
         input_ids: `[T]` (or `[1, T]`) shifted draft input ids, ids'[i] = x[i+1].
         loss_mask: `[T]` shifted loss mask m'[i] = m[i+1] (0/1, any dtype).
         document_ids: `[T]` int64 document of each position, -1 for padding; None = one document.
-        anchor_pos: `[N]` int64 from `peagle.cod.sample_cod`.
-        depth: `[N]` int64 from `peagle.cod.sample_cod`.
+        anchor_pos: `[N]` int64 from `peagle.cod.sampling.sample_cod`.
+        depth: `[N]` int64 from `peagle.cod.sampling.sample_cod`.
         mask_token_id: token id placed in every masked (depth >= 1) slot.
 
     Returns:
@@ -215,7 +215,7 @@ def mask_for(row: FlatRow, *, pad_self: bool = True) -> Tensor:
     """Dense `[N, N]` bool visibility mask (True = may attend) of a (segment) row, for SDPA.
 
     Padding queries see only themselves when `pad_self` (no all-masked softmax row, so no NaN);
-    their weight is 0, so they never reach the loss. See `peagle.mask.dense_mask`.
+    their weight is 0, so they never reach the loss. See `peagle.cod.mask.dense_mask`.
     """
     return dense_mask_from_element_docs(row.anchor_pos, row.depth, row.doc, pad_self=pad_self)
 
@@ -224,7 +224,7 @@ def block_mask_for(row: FlatRow, *, block_size: int = 128, query_offset: int = 0
     """Flex-attention `BlockMask` of a (segment) row on the row's device (use on CUDA).
 
     `query_offset` = Nc > 0: only the elements from Nc on are queries (the first Nc are carried context
-    keys, `peagle.draft.KVCarry.past`): a `[N - Nc, N]` mask.
+    keys, `peagle.model.draft.KVCarry.past`): a `[N - Nc, N]` mask.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 

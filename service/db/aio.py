@@ -4,7 +4,7 @@
     await pool.open()
     rows, has_more = await list_jobs(pool, JobPageQuery(owner_id=1, limit=20))
 
-Why a second path beside the sync one (`api.db.repo.list_jobs`): a sync handler costs a threadpool hop
+Why a second path beside the sync one (`service.db.repo.list_jobs`): a sync handler costs a threadpool hop
 and GIL hand-offs between ~24 request threads, and SQLAlchemy's execution layer costs more CPU than the
 query; together about 1 ms of CPU per page on top of ~0.1 ms of real work. Here the statement is the
 same `repo.job_page_select` (one source of truth for the SQL), compiled once per filter shape, and runs
@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
-from api.db.repo import JobPageQuery, job_page, job_page_select
+from service.db.repo import JobPageQuery, job_page, job_page_select
 
 __all__ = ["is_postgres", "list_jobs", "make_read_pool"]
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from peagle.core_cpu import mm_nt
+from peagle.model.cpu_kernels import mm_nt
 
 __all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "tau_sim"]
 
@@ -296,7 +296,7 @@ def cod_loss_sums(
 
     Pass only the charged elements (e.g. `sel = row.weight > 0`): the lm_head and KL are computed
     for supervised elements only. Divide the returned sum by the micro-batch's ONE denominator
-    (`peagle.flat.loss_denominator`), never by a per-row or per-segment count.
+    (`peagle.cod.rows.loss_denominator`), never by a per-row or per-segment count.
 
     Worked example: two depth-0 elements with weights [1, 1] and KL [0.2, 0.4], one depth-1 element
     with KL 1.0, argmax hits [yes, no, yes], K=2 -> loss_sum 1.6, acc_sum [1, 1], acc_total [2, 1];

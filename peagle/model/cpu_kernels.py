@@ -10,9 +10,9 @@ in summation order.
 
 * `linear(x, weight)`: `F.linear` without bias, differentiable; forward and both backward products go
   through oneDNN on CPU fp32 (`_Linear`), anything else (CUDA, autocast, fp64, bf16) is `F.linear`;
-* `mm_nt(a, b)`: `a @ b.T` for code that computes its own gradients (`peagle.loss`), same dispatch;
+* `mm_nt(a, b)`: `a @ b.T` for code that computes its own gradients (`peagle.cod.loss`), same dispatch;
 * `grouped_attention(q, k, v, groups)`: attention cut into query groups that each see a subset of the
-  keys (`peagle.draft.QueryGroups`), fwd + bwd in oneDNN products; like flash attention it keeps only
+  keys (`peagle.model.draft.QueryGroups`), fwd + bwd in oneDNN products; like flash attention it keeps only
   q, k, v and the output for backward and recomputes each group's probabilities there.
 
 On Intel CPUs it is the other way round: on the 2-core Xeon (avx512_fp16) bench machine the whole train

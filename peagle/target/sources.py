@@ -34,7 +34,7 @@ from torch import Tensor
 
 from peagle.data.packing import PackedRows, shift_features
 from peagle.errors import DataInvalidError
-from peagle.target import TargetCapture
+from peagle.target.capture import TargetCapture
 
 __all__ = [
     "OfflineFeatureSource",

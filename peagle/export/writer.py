@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from peagle.errors import CheckpointError
-from peagle.export_rules import (
+from peagle.export.rules import (
     EAGLE3_ARCHITECTURES,
     SPECULATORS_ARCHITECTURE,
     check_export,
@@ -38,7 +38,7 @@ from peagle.export_rules import (
 )
 
 if TYPE_CHECKING:
-    from peagle.draft import DraftConfig, PEagleDraft
+    from peagle.model.draft import DraftConfig, PEagleDraft
 
 __all__ = [
     "EAGLE3_ARCHITECTURES",
@@ -288,7 +288,7 @@ def export_draft(
 
 def draft_config_from_export(cfg: dict[str, Any]) -> DraftConfig:
     """Rebuild the `DraftConfig` described by an export's `config.json` (either layout)."""
-    from peagle.draft import DraftConfig
+    from peagle.model.draft import DraftConfig
 
     layer = cfg.get("transformer_layer_config", cfg)
     rope = layer.get("rope_parameters") or {
@@ -342,7 +342,7 @@ def load_exported_draft(
     """
     from safetensors.torch import load_file
 
-    from peagle.draft import PEagleDraft
+    from peagle.model.draft import PEagleDraft
 
     path = Path(path)
     if validate:

@@ -18,7 +18,7 @@ Architecture (peagle.md section 1.5, decision 6):
 
 Parameter and buffer names are exactly the exported (speculators / vLLM) keys, so the export is a plain
 `save_file(draft.state_dict())` (plus a bf16 cast). The rotary `inv_freq` buffers are not persistent.
-The layers call their weights through `peagle.core_cpu.linear` (oneDNN for CPU fp32, `F.linear` otherwise)
+The layers call their weights through `peagle.model.cpu_kernels.linear` (oneDNN for CPU fp32, `F.linear` otherwise)
 rather than the `nn.Linear` modules, which stay as the holders of those names.
 
 Weights that must come from the target (`embed_tokens`, `lm_head`) start as NaN so a draft that was
@@ -44,8 +44,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from peagle.core_cpu import grouped_attention, linear, uses_onednn
 from peagle.errors import TargetLoadError
+from peagle.model.cpu_kernels import grouped_attention, linear, uses_onednn
 
 __all__ = [
     "AttentionBackend",
@@ -265,9 +265,9 @@ def attend(
         q: [B, nh, N, hd] queries (RoPE applied).
         k, v: [B, nkv, N, hd] keys / values.
         attn_mask: dense bool [N, N] or [B, N, N] (True = visible; SDPA), the same as an additive float
-            mask in the query dtype (0 / -inf, `peagle.mask.additive_mask`: built once, shared by all
+            mask in the query dtype (0 / -inf, `peagle.cod.mask.additive_mask`: built once, shared by all
             layers), `QueryGroups` of such a mask (B = 1; one SDPA call per group, or on CPU fp32 one
-            `peagle.core_cpu.grouped_attention` call for all groups), or a flex `BlockMask`.
+            `peagle.model.cpu_kernels.grouped_attention` call for all groups), or a flex `BlockMask`.
             Rows without any visible key (padding queries) must be given one by the mask builder.
         cache: holds the compiled flex kernel (one per draft).
         prefix: P > 0 when the first P queries see only the first P keys (the depth-0 block of a COD
@@ -431,7 +431,7 @@ class PEagleAttention(nn.Module):
 
 
 class PEagleMLP(LlamaMLP):
-    """`LlamaMLP` (same weights and names) with its products through `peagle.core_cpu.linear`."""
+    """`LlamaMLP` (same weights and names) with its products through `peagle.model.cpu_kernels.linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
         """x [B, N, H] -> [B, N, H]: down(act(gate(x)) * up(x))."""

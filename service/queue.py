@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from api.settings import Settings
+from service.settings import Settings
 
 __all__ = ["TRAIN_TASK", "Producer", "celery_config", "make_producer"]
 

@@ -165,7 +165,7 @@ class TargetCapture:
     def logits_from_hidden(self, final: Tensor) -> Tensor:
         """Draft-vocab logits [*, Vd] in the head's dtype from final normed hidden states [*, H].
 
-        Not upcast: the loss takes the target side in fp32 a chunk at a time (`peagle.loss`), so bf16
+        Not upcast: the loss takes the target side in fp32 a chunk at a time (`peagle.cod.loss`), so bf16
         logits give the same loss as their fp32 copy in half the memory ([T, Vd] per row).
         """
         final = final.to(self.device, self.head_weight.dtype)

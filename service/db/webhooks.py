@@ -30,8 +30,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.db import states
-from api.db.models import Job, JobEvent, WebhookDelivery, WebhookEndpoint, new_id, utcnow
+from service.db import states
+from service.db.models import Job, JobEvent, WebhookDelivery, WebhookEndpoint, new_id, utcnow
 
 __all__ = [
     "EVENT_TYPES",

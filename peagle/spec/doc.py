@@ -1,8 +1,8 @@
 """Render the job spec reference (Markdown) from `peagle.spec`, the single source of truth.
 
-`python -m peagle.specdoc` prints it; the README's "Job spec reference" section is this output
+`python -m peagle.spec.doc` prints it; the README's "Job spec reference" section is this output
 between the markers `<!-- spec-reference:start -->` and `<!-- spec-reference:end -->`
-(a test keeps them identical; `python -m peagle.specdoc --write README.md` refreshes it).
+(a test keeps them identical; `python -m peagle.spec.doc --write README.md` refreshes it).
 """
 
 from __future__ import annotations

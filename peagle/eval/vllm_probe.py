@@ -1,7 +1,7 @@
-"""Serve-check probe: runs INSIDE the vLLM venv (`.vllm-venv/bin/python peagle/vllm_probe.py ...`).
+"""Serve-check probe: runs INSIDE the vLLM venv (`.vllm-venv/bin/python peagle/eval/vllm_probe.py ...`).
 
 It imports only the standard library, vLLM and what vLLM itself ships (torch, safetensors); never
-`peagle` (the project venv and vLLM's pin different transformers). `peagle.serve_check` writes the
+`peagle` (the project venv and vLLM's pin different transformers). `peagle.eval.serve_check` writes the
 prompts (token ids, already chat-templated, so both decoders see identical inputs), starts this script
 as a subprocess and reads the JSON it writes.
 

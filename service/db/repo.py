@@ -20,8 +20,8 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from api.db import states
-from api.db.models import ApiKey, Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
+from service.db import states
+from service.db.models import ApiKey, Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
 
 __all__ = [
     "SCOPES",
@@ -184,7 +184,7 @@ class JobPageQuery:
 
     `shape()` says which filters are present; `job_page_select(dialect, shape)` is the statement for that
     shape with named bind parameters, and `params()` their values. So the SQL is built (and, for the
-    async PostgreSQL reader in `api.db.aio`, compiled) once per shape, never per request.
+    async PostgreSQL reader in `service.db.aio`, compiled) once per shape, never per request.
     """
 
     owner_id: int
@@ -277,7 +277,7 @@ def list_jobs(conn: sa.Connection, query: JobPageQuery) -> tuple[list[dict[str, 
     """A page of the owner's jobs (the `SUMMARY_COLUMNS` only, as dicts), newest first, and has_more.
 
     A Core connection, not a Session: the list needs none of the ORM's unit of work, which cost more
-    CPU than the query. (On PostgreSQL the API reads pages with `api.db.aio.list_jobs` instead.)
+    CPU than the query. (On PostgreSQL the API reads pages with `service.db.aio.list_jobs` instead.)
     """
     rows = conn.execute(job_page_select(conn.dialect.name, query.shape()), query.params()).all()
     return job_page(rows, query.limit)

@@ -2,7 +2,7 @@
 
 vLLM lives in its own venv (`make vllm-env` builds `.vllm-venv`; it pins a different transformers), so
 this module never imports it: it writes the tokenised prompts to a temp file, runs
-`peagle/vllm_probe.py` with that venv's Python and reads back its JSON (see the probe's docstring for
+`peagle/eval/vllm_probe.py` with that venv's Python and reads back its JSON (see the probe's docstring for
 what it verifies). `PEAGLE_VLLM_PYTHON` points at another interpreter (e.g. a GPU vLLM on a GPU worker);
 the probe uses CUDA when that interpreter's torch sees a GPU.
 """
@@ -175,8 +175,13 @@ def run_eval(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from peagle.errors import TargetLoadError
-    from peagle.evaluate import evaluate_prompts, load_prompts, tokenize_prompts
-    from peagle.export import check_export, load_exported_draft, num_speculative_tokens_of, read_export_config
+    from peagle.eval.reference import evaluate_prompts, load_prompts, tokenize_prompts
+    from peagle.export.writer import (
+        check_export,
+        load_exported_draft,
+        num_speculative_tokens_of,
+        read_export_config,
+    )
 
     check_export(export_dir)
     cfg = read_export_config(export_dir)

@@ -59,7 +59,7 @@ class Settings(BaseSettings):
                                         "new job events and due deliveries.")
     max_webhooks_per_owner: int = Field(default=20, ge=1, description="Per owner: webhook endpoints.")
     read_pool_size: int = Field(default=4, ge=1, description="PostgreSQL only: connections per API process of "
-                                "the async pool that serves job lists on the event loop (api.db.aio); 4 kept up "
+                                "the async pool that serves job lists on the event loop (service.db.aio); 4 kept up "
                                 "with 100 closed-loop clients (2 or 8 were no faster).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -2,7 +2,7 @@
 
 The schema is created only by Alembic migrations (`migrations/`, `alembic.ini` at the repo root):
 `upgrade(url)` runs them programmatically (tests, embedded startup); `alembic upgrade head` does the same
-from the shell with the URL from `api.settings.get_settings()`.
+from the shell with the URL from `service.settings.get_settings()`.
 """
 
 from __future__ import annotations

@@ -22,21 +22,21 @@ def fixtures_cmd(
     which: str = typer.Argument("all", help="smollm2 | tiny | all"),
 ) -> None:
     """Build the offline fixture folders (SmolLM2-135M-Instruct, tiny Llama) into the cache."""
-    from peagle import fixtures
+    from peagle import builtin
 
     if which not in ("smollm2", "tiny", "all"):
         typer.echo(f"error: unknown fixture {which!r} (smollm2 | tiny | all)", err=True)
         raise typer.Exit(2)
     if which in ("smollm2", "all"):
-        typer.echo(f"smollm2: {fixtures.smollm2_dir()}")
+        typer.echo(f"smollm2: {builtin.smollm2_dir()}")
     if which in ("tiny", "all"):
-        typer.echo(f"tiny: {fixtures.tiny_llama_dir()}")
+        typer.echo(f"tiny: {builtin.tiny_llama_dir()}")
 
 
-from peagle import cli_run  # noqa: E402 - train, export, eval, validate
+from peagle.cli import run as cli_run  # noqa: E402 - train, export, eval, validate
 
 cli_run.register(app)
-from peagle.cli_jobs import jobs_app  # noqa: E402 - `peagle jobs ...` against a running service
+from peagle.cli.jobs import jobs_app  # noqa: E402 - `peagle jobs ...` against a running service
 
 app.add_typer(jobs_app, name="jobs")
 

@@ -26,8 +26,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, aliased
 
-from api.db import states
-from api.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
+from service.db import states
+from service.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
 
 __all__ = [
     "QUOTA_WAIT",

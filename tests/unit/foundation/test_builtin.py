@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle import fixtures
+from peagle import builtin
 
 
 def test_smollm2_folder_is_a_real_llama(smollm2_path: Path) -> None:
@@ -16,7 +16,7 @@ def test_smollm2_folder_is_a_real_llama(smollm2_path: Path) -> None:
     assert (smollm2_path / "model.safetensors").stat().st_size > 100_000_000
     assert (smollm2_path / ".complete").exists()
     # idempotent: a second call returns the same folder without rebuilding
-    assert fixtures.smollm2_dir() == smollm2_path
+    assert builtin.smollm2_dir() == smollm2_path
 
 
 def test_smollm2_chat_template_renders(smollm2_tokenizer) -> None:
@@ -39,32 +39,32 @@ def test_tiny_target_loads(tiny_target_path: Path) -> None:
 def test_build_tiny_llama_is_deterministic() -> None:
     import torch
 
-    a = fixtures.build_tiny_llama(vocab_size=128, seed=3)
-    b = fixtures.build_tiny_llama(vocab_size=128, seed=3)
+    a = builtin.build_tiny_llama(vocab_size=128, seed=3)
+    b = builtin.build_tiny_llama(vocab_size=128, seed=3)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb)
 
 
 def test_sharegpt_and_humaneval_data() -> None:
-    path = fixtures.sharegpt_path()
+    path = builtin.sharegpt_path()
     assert path.stat().st_size > 100_000_000
     with path.open("rb") as fh:
         assert fh.read(1) == b"["
-    prompts = fixtures.humaneval_prompts()
+    prompts = builtin.humaneval_prompts()
     assert len(prompts) == 164
     assert prompts[0]["task_id"] == "HumanEval/0" and "def " in prompts[0]["prompt"]
-    assert len(fixtures.humaneval_prompts(limit=5)) == 5
+    assert len(builtin.humaneval_prompts(limit=5)) == 5
 
 
 def test_resolvers(tmp_path: Path) -> None:
-    assert fixtures.resolve_data_path("builtin:sharegpt") == fixtures.sharegpt_path()
-    assert fixtures.resolve_data_path("dataset:ds_1", tmp_path) == tmp_path / "ds_1" / "data"
+    assert builtin.resolve_data_path("builtin:sharegpt") == builtin.sharegpt_path()
+    assert builtin.resolve_data_path("dataset:ds_1", tmp_path) == tmp_path / "ds_1" / "data"
     with pytest.raises(ValueError, match="no dataset root"):
-        fixtures.resolve_data_path("dataset:ds_1")
+        builtin.resolve_data_path("dataset:ds_1")
     with pytest.raises(ValueError, match="unknown builtin"):
-        fixtures.resolve_target("builtin:nope")
-    assert fixtures.resolve_target("org/model-on-hub") == "org/model-on-hub"
-    assert fixtures.resolve_target(str(tmp_path)) == tmp_path
+        builtin.resolve_target("builtin:nope")
+    assert builtin.resolve_target("org/model-on-hub") == "org/model-on-hub"
+    assert builtin.resolve_target(str(tmp_path)) == tmp_path
 
 
 def test_concurrent_builds_are_safe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,7 +77,7 @@ def test_concurrent_builds_are_safe(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         (d / "f").write_text("x")
 
     dest = tmp_path / "thing"
-    threads = [threading.Thread(target=fixtures._build_once, args=(dest, build)) for _ in range(4)]
+    threads = [threading.Thread(target=builtin._build_once, args=(dest, build)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -94,6 +94,6 @@ def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
 
     dest = tmp_path / "thing"
     with pytest.raises(RuntimeError):
-        fixtures._build_once(dest, build)
+        builtin._build_once(dest, build)
     assert not dest.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["thing.lock"]

@@ -40,7 +40,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from peagle.errors import DataInvalidError
 
 if TYPE_CHECKING:
-    from peagle.draft import PEagleDraft
+    from peagle.model.draft import PEagleDraft
 
 __all__ = [
     "CachedDraftProposer",
@@ -310,12 +310,12 @@ def load_prompts(name: str, num_prompts: int) -> list[str]:
     Raises:
         DataInvalidError: unknown set, unreadable file, or a JSONL line without `prompt`/`messages`.
     """
-    from peagle import fixtures
+    from peagle import builtin
 
     if name == "humaneval":
-        return [p["prompt"] for p in fixtures.humaneval_prompts(num_prompts)]
+        return [p["prompt"] for p in builtin.humaneval_prompts(num_prompts)]
     if name == "sharegpt-heldout":
-        rows = json.loads(fixtures.sharegpt_path().read_text(encoding="utf-8"))
+        rows = json.loads(builtin.sharegpt_path().read_text(encoding="utf-8"))
         out: list[str] = []
         for conv in reversed(rows):  # from the end: training reads from the start
             turns = conv.get("conversations") or []

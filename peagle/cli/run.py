@@ -264,7 +264,12 @@ def export_cmd(
     ),
 ) -> None:
     """Write a vLLM-ready export of a checkpoint (validated)."""
-    from peagle.export import export_draft, load_exported_draft, num_speculative_tokens_of, read_export_config
+    from peagle.export.writer import (
+        export_draft,
+        load_exported_draft,
+        num_speculative_tokens_of,
+        read_export_config,
+    )
 
     src = _export_dir_of(ckpt)
     cfg = read_export_config(src)
@@ -290,7 +295,7 @@ def validate_cmd(
 ) -> None:
     """Check a directory against every rule vLLM enforces for a P-EAGLE draft."""
     from peagle.errors import ExportInvalidError
-    from peagle.export import validate_export
+    from peagle.export.writer import validate_export
 
     target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
     bad = validate_export(target)
@@ -320,7 +325,7 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Measure acceptance length (AL) and per-position acceptance of an export."""
-    from peagle.serve_check import run_eval
+    from peagle.eval.serve_check import run_eval
 
     src = _export_dir_of(directory)
     report = run_eval(

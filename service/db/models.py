@@ -1,7 +1,7 @@
 """SQLAlchemy 2 models of the service (the schema itself is created ONLY by Alembic migrations).
 
 Tables and column names are a cross-area contract (`service_contract.md`): the API, the worker's
-lease/ingest code (`api/db/lease.py`) and the migrations all use them. Timestamps are timezone-aware
+lease/ingest code (`service/db/lease.py`) and the migrations all use them. Timestamps are timezone-aware
 UTC (`UTCDateTime` restores the zone on SQLite, which stores naive values).
 """
 
@@ -119,7 +119,7 @@ class ApiKey(Base):
 
 
 class Job(Base):
-    """A training job. Status transitions live in `api.db.states`; sequences in `*_seq` are last-used."""
+    """A training job. Status transitions live in `service.db.states`; sequences in `*_seq` are last-used."""
 
     __tablename__ = "job"
     __table_args__ = (

@@ -1,0 +1,58 @@
+"""The job spec, torch-free: the schema (`schema`), the named presets (`presets`), the reference doc (`doc`).
+
+`TrainSpec` is the single source of truth for a training run: the CLI input, the API body, the database
+JSON column and the worker input. The API imports only this package (and `peagle.errors`) from `peagle`.
+"""
+
+from peagle.spec.presets import preset, preset_names
+from peagle.spec.schema import (
+    BUILTIN_DATA,
+    BUILTIN_PROMPT_SETS,
+    BUILTIN_TARGETS,
+    SPEC_VERSION,
+    CheckpointSpec,
+    DataSource,
+    DataSpec,
+    DraftSpec,
+    EvalSpec,
+    OptimSpec,
+    PEagleSpec,
+    PromptSet,
+    RegenerateSpec,
+    ResourceSpec,
+    SpecInvalidError,
+    SpecProblem,
+    TargetSpec,
+    TrainSpec,
+    cross_field_problems,
+    load_spec_file,
+    parse_spec,
+    spec_hash,
+)
+
+__all__ = [
+    "BUILTIN_DATA",
+    "BUILTIN_PROMPT_SETS",
+    "BUILTIN_TARGETS",
+    "SPEC_VERSION",
+    "CheckpointSpec",
+    "DataSource",
+    "DataSpec",
+    "DraftSpec",
+    "EvalSpec",
+    "OptimSpec",
+    "PEagleSpec",
+    "PromptSet",
+    "RegenerateSpec",
+    "ResourceSpec",
+    "SpecInvalidError",
+    "SpecProblem",
+    "TargetSpec",
+    "TrainSpec",
+    "cross_field_problems",
+    "load_spec_file",
+    "parse_spec",
+    "preset",
+    "preset_names",
+    "spec_hash",
+]
