@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle.errors import PeagleError
 from peagle.spec import SpecInvalidError
 from service.db.states import IllegalTransition
 
@@ -45,7 +46,7 @@ def pointer(loc: tuple[Any, ...] | list[Any]) -> str:
     return "/" + "/".join(str(x).replace("~", "~0").replace("/", "~1") for x in loc) if loc else ""
 
 
-class ApiError(Exception):
+class ApiError(PeagleError):
     """An HTTP error rendered as the envelope (raise it anywhere in the API)."""
 
     def __init__(

@@ -80,7 +80,7 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         hidden = HIDDEN["8b"]
         notes.append("target hidden size unknown before loading its config: assumed 4096")
     hidden_bytes = train_tokens * 4 * hidden * 2 if spec.resources.capture == "offline" else 0
-    device = "cuda" if spec.resources.gpus > 0 or spec.resources.device == "cuda" else "cpu"
+    device = spec.resolve(cuda_available=spec.resources.gpus > 0).resources.device
     tps = THROUGHPUT[(_size_class(model), device)] * max(1, spec.resources.gpus)
     seconds = steps * tokens_per_step * PACKING_EFFICIENCY / tps
     seconds += 30.0 + 2.0 * sum(p.num_prompts for p in spec.eval.prompt_sets) * spec.eval.max_new_tokens / 50

@@ -1,18 +1,32 @@
-"""The error tree of the `peagle` library. Every class has a stable snake_case `.code`.
+"""The error tree of the project. Every class has a stable snake_case `.code`.
 
-    PeagleError                      code = peagle_error
-    ├── SpecInvalidError (peagle.spec, a ValueError)   spec_invalid
-    ├── DataInvalidError             data_invalid       (bad dataset rows/files; names the line)
-    ├── TargetLoadError              target_load_failed (target model/tokenizer cannot be loaded)
-    ├── ExportInvalidError           export_invalid     (a directory vLLM would reject; lists violations)
-    ├── CheckpointError              checkpoint_invalid (missing/incomplete/corrupt checkpoint)
-    ├── ResourceError                resource_unavailable (e.g. dense mask too large for CPU)
-    └── TrainingInterrupted          interrupted        (SIGTERM/SIGINT: checkpoint saved, resumable)
+    Exception
+    └── PeagleError                        peagle_error           peagle.errors
+        ├── SpecInvalidError (+ValueError) spec_invalid           peagle.errors: raised by peagle.spec
+        ├── DataInvalidError               data_invalid           peagle.errors: bad dataset rows/files
+        ├── TargetLoadError                target_load_failed     peagle.errors: target cannot be loaded
+        ├── ExportInvalidError             export_invalid         peagle.errors: vLLM would reject it
+        ├── CheckpointError                checkpoint_invalid     peagle.errors: missing/corrupt checkpoint
+        ├── ResourceError                  resource_unavailable   peagle.errors: e.g. mask too large for CPU
+        ├── TrainingInterrupted            interrupted            peagle.errors: SIGTERM, checkpoint saved
+        ├── ServiceError                   (per answer)           peagle.client: an error answer of the API
+        ├── IllegalTransition              illegal_transition     service.db.states: state machine refuses
+        ├── ConcurrencyLimited             concurrency_limited    service.db.lease: owner at its job limit
+        ├── LeaseLost                      lease_lost             service.db.lease: the lease is not ours
+        └── ApiError                       (per instance)         api.errors: rendered as the error envelope
 
-The worker maps these codes (and the trainer's exit codes, `EXIT_CODES`) onto job error codes.
+`SpecInvalidError` is also a `ValueError` so that pydantic validators which parse a nested spec turn it
+into a field error. The service classes live beside the code that raises them and derive from
+`PeagleError` here; `tests/unit/foundation/test_errors.py` checks that this drawing is true.
+The worker maps the library's codes (and the trainer's exit codes, `EXIT_CODES`) onto job error codes.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from peagle.spec.schema import SpecProblem
 
 __all__ = [
     "EXIT_CODES",
@@ -21,6 +35,7 @@ __all__ = [
     "ExportInvalidError",
     "PeagleError",
     "ResourceError",
+    "SpecInvalidError",
     "TargetLoadError",
     "TrainingInterrupted",
 ]
@@ -30,6 +45,18 @@ class PeagleError(Exception):
     """Base of every error the library raises on purpose."""
 
     code = "peagle_error"
+
+
+class SpecInvalidError(PeagleError, ValueError):
+    """The spec has one or more problems; `.problems` lists all of them (each with its field path)."""
+
+    code = "spec_invalid"
+
+    def __init__(self, problems: list[SpecProblem]) -> None:
+        self.problems = problems
+        listed = "; ".join(f"{p.path or '(root)'}: {p.message}" for p in problems)
+        n = len(problems)
+        super().__init__(f"{n} problem{'s' if n != 1 else ''} in the job spec: {listed}")
 
 
 class DataInvalidError(PeagleError):

@@ -46,10 +46,8 @@ class PipelineResult:
 
 
 def resolve_dtype(spec: TrainSpec, device: torch.device) -> torch.dtype:
-    """`target.dtype` (auto = bf16 on CUDA, fp32 on CPU)."""
-    name = spec.target.dtype
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """`target.dtype` as `TrainSpec.resolve` decides it (auto = bf16 on CUDA, fp32 on CPU)."""
+    name = spec.resolve(cuda_available=device.type == "cuda").target.dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -196,7 +194,7 @@ def run_pipeline(
         raise TargetLoadError(f"draft.aux_layer_ids: {exc}") from None
     vocab_size = int(model.get_input_embeddings().weight.shape[0])
     verifier = verifier_name(spec, target_path)
-    k_eval = spec.eval.num_speculative_tokens or spec.peagle.num_depths
+    k_eval = int(spec.resolve(cuda_available=device.type == "cuda").eval.num_speculative_tokens or 0)
 
     _phase(sink, "preparing_data", "reading, templating and packing the data")
     _phase(sink, "building_vocab", "draft vocabulary and mask token")
@@ -220,12 +218,9 @@ def run_pipeline(
     elif len(prepared.eval):
         eval_source = OnlineFeatureSource(capture, prepared.eval, spec.optim.micro_batch_size, spec.optim.seed)
     steps = total_steps(spec.optim, source.num_batches())
-    resolved = spec.model_copy(deep=True)
-    resolved.draft.aux_layer_ids = list(aux_ids)
-    resolved.draft.mask_token_id = int(prepared.mask_token_id)
-    resolved.draft.draft_vocab_size = int(vocab.draft_vocab_size)
-    resolved.eval.num_speculative_tokens = int(k_eval)
-    resolved.optim.max_steps = int(steps)
+    resolved = spec.resolve(cuda_available=device.type == "cuda", target_num_layers=n_layers,
+                            mask_token_id=int(prepared.mask_token_id),
+                            draft_vocab_size=int(vocab.draft_vocab_size), max_steps=int(steps))
     _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
     facts = {
         "target_path": str(target_path),

@@ -11,7 +11,7 @@ reported with the exact field path. `parse_spec` turns both into a flat list of 
     >>> parse_spec({"target": {"model": "x"}, "peagle": {"num_depths": 0}})
     Traceback (most recent call last):
     ...
-    peagle.spec.SpecInvalidError: 1 problem in the job spec: peagle.num_depths: ...
+    peagle.errors.SpecInvalidError: 1 problem in the job spec: peagle.num_depths: ...
 
 Builtin names resolve to offline fixtures (see `peagle.builtin`): targets
 ``builtin:smollm2-135m-instruct`` and ``builtin:tiny-llama``; data ``builtin:sharegpt``; prompt sets
@@ -28,16 +28,22 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from peagle.errors import SpecInvalidError
+
 SPEC_VERSION = 1
 
 BUILTIN_TARGETS = ("builtin:smollm2-135m-instruct", "builtin:tiny-llama")
 BUILTIN_DATA = ("builtin:sharegpt",)
 BUILTIN_PROMPT_SETS = ("humaneval", "sharegpt-heldout")
+#: Prefix of a data source path naming an uploaded dataset (`dataset:<id>`): the API writes and checks
+#: it, the worker and `peagle.builtin` resolve it. The one definition (the service re-exports it).
+DATASET_PREFIX = "dataset:"
 
 __all__ = [
     "BUILTIN_DATA",
     "BUILTIN_PROMPT_SETS",
     "BUILTIN_TARGETS",
+    "DATASET_PREFIX",
     "SPEC_VERSION",
     "CheckpointSpec",
     "DataSource",
@@ -54,6 +60,8 @@ __all__ = [
     "TargetSpec",
     "TrainSpec",
     "cross_field_problems",
+    "dataset_id",
+    "dataset_ref",
     "load_spec_file",
     "parse_spec",
     "spec_hash",
@@ -304,6 +312,24 @@ class TrainSpec(_Strict):
             )
         return self
 
+    def resolve(
+        self,
+        *,
+        cuda_available: bool,
+        target_num_layers: int | None = None,
+        mask_token_id: int | None = None,
+        draft_vocab_size: int | None = None,
+        max_steps: int | None = None,
+    ) -> TrainSpec:
+        """This spec with every derived value filled in: the one place "auto" is decided.
+
+        See `peagle.spec.resolve` for the table of what each "auto" becomes and the facts it needs.
+        """
+        from peagle.spec.resolve import resolve_spec
+
+        return resolve_spec(self, cuda_available=cuda_available, target_num_layers=target_num_layers,
+                            mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size, max_steps=max_steps)
+
 
 # --------------------------------------------------------------------------------------------------
 # Cross-field checks
@@ -327,18 +353,6 @@ class SpecProblem(BaseModel):
     def pointer(self) -> str:
         """JSON pointer, e.g. `/peagle/num_depths`."""
         return "/" + "/".join(str(x).replace("~", "~0").replace("/", "~1") for x in self.loc)
-
-
-class SpecInvalidError(ValueError):
-    """The spec has one or more problems; `.problems` lists all of them."""
-
-    code = "spec_invalid"
-
-    def __init__(self, problems: list[SpecProblem]) -> None:
-        self.problems = problems
-        listed = "; ".join(f"{p.path or '(root)'}: {p.message}" for p in problems)
-        n = len(problems)
-        super().__init__(f"{n} problem{'s' if n != 1 else ''} in the job spec: {listed}")
 
 
 def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
@@ -466,3 +480,13 @@ def spec_hash(spec: TrainSpec, *, sections: tuple[str, ...] | None = None) -> st
         data = {k: data[k] for k in sections}
     blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def dataset_ref(dataset_id: str) -> str:
+    """The data source path of an uploaded dataset: `dataset:<id>`."""
+    return f"{DATASET_PREFIX}{dataset_id}"
+
+
+def dataset_id(path: str) -> str | None:
+    """The dataset id of a `dataset:<id>` source path; None for any other path."""
+    return path[len(DATASET_PREFIX):] if path.startswith(DATASET_PREFIX) else None

@@ -19,36 +19,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from peagle.errors import TargetLoadError
+from peagle.spec.resolve import aux_layer_ids as aux_layer_ids_for
 
 __all__ = ["TargetCapture", "block_causal_mask", "document_position_ids", "resolve_aux_layer_ids"]
 
 
 def resolve_aux_layer_ids(aux_layer_ids: list[int] | str, num_layers: int) -> list[int]:
-    """Aux layer ids in the vLLM convention: "auto" = [2, N//2, N-3]; validated against N layers.
-
-    For targets too shallow for distinct defaults (N < 7, e.g. the 4-layer tiny test target) "auto" is
-    [1, N//2, N-1] (N >= 4); the resolved ids are what goes into the exported config.
+    """Aux layer ids in the vLLM convention for an N-layer target (`peagle.spec.resolve.aux_layer_ids`).
 
     Raises:
         TargetLoadError: an id is outside [0, N) or the ids are not 3 distinct values.
     """
-    n = int(num_layers)
-    if aux_layer_ids == "auto":
-        ids = [2, n // 2, n - 3]
-        if len(set(ids)) != 3 and n >= 4:
-            ids = [1, n // 2, n - 1]
-    else:
-        ids = [int(i) for i in aux_layer_ids]
-    if len(ids) != 3 or len(set(ids)) != 3:
-        raise TargetLoadError(
-            f"draft.aux_layer_ids must be 3 distinct layer ids for a {n}-layer target, got {ids}"
-        )
-    bad = [i for i in ids if not 0 <= i < n]
-    if bad:
-        raise TargetLoadError(
-            f"draft.aux_layer_ids {bad} outside [0, {n}) for a {n}-layer target (got {ids})"
-        )
-    return ids
+    try:
+        return aux_layer_ids_for(aux_layer_ids, num_layers)
+    except ValueError as exc:
+        raise TargetLoadError(str(exc)) from None
 
 
 def document_position_ids(document_ids: Tensor) -> Tensor:

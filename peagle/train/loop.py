@@ -26,6 +26,7 @@ from peagle.cod.loss import LOSS_EPS, CodMetrics
 from peagle.errors import TrainingInterrupted
 from peagle.model.draft import PEagleDraft, select_attention
 from peagle.spec import TrainSpec
+from peagle.spec.metrics import eval_key
 from peagle.train.batch import BatchSource, select_rows
 from peagle.train.checkpoint import (
     find_resumable,
@@ -53,11 +54,8 @@ STATE_FORMAT = 1
 
 
 def resolve_device(spec: TrainSpec) -> torch.device:
-    """`resources.device` (auto = CUDA when available)."""
-    d = spec.resources.device
-    if d == "auto":
-        d = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(d)
+    """`resources.device` as `TrainSpec.resolve` decides it (auto = CUDA when available)."""
+    return torch.device(spec.resolve(cuda_available=torch.cuda.is_available()).resources.device)
 
 
 @dataclass
@@ -115,7 +113,8 @@ class Trainer:
         self.extra_writer, self.evaluate_hook = extra_writer, evaluate_hook
         self.resume = resume
         p, o, r = spec.peagle, spec.optim, spec.resources
-        bf16 = self.device.type == "cuda" and r.precision in ("auto", "bf16")
+        r = spec.resolve(cuda_available=self.device.type == "cuda").resources
+        bf16 = self.device.type == "cuda" and r.precision == "bf16"
         self.settings = StepSettings(
             num_depths=p.num_depths,
             down_sample_ratio=p.down_sample_ratio,
@@ -259,7 +258,7 @@ class Trainer:
             sums = sums + run_micro_batch(self.objective, self.draft, batch, rows, self.settings, scale=None)
         self.objective.train()
         reduced = CodMetrics.from_stacked(self.dist.all_reduce_sum(sums.stacked().cpu()))
-        self.last_eval = {f"eval_{k}": v for k, v in reduced.finalize().items()}
+        self.last_eval = {eval_key(k): v for k, v in reduced.finalize().items()}
         self.sink.event("eval", step=self.step, metrics=self.last_eval)
         return dict(self.last_eval)
 

@@ -26,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, aliased
 
+from peagle.errors import PeagleError
 from service.db import states
 from service.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
 
@@ -57,7 +58,7 @@ QUOTA_WAIT = "waiting_for_quota"
 LEASED = (states.RUNNING, states.PAUSING, states.CANCELLING)
 
 
-class ConcurrencyLimited(Exception):
+class ConcurrencyLimited(PeagleError):
     """The job's owner already runs `max_concurrent_jobs` jobs: it stays queued (see `defer_claim`)."""
 
     code = "concurrency_limited"
@@ -67,7 +68,7 @@ class ConcurrencyLimited(Exception):
         self.job_id, self.running, self.limit = job_id, running, limit
 
 
-class LeaseLost(Exception):
+class LeaseLost(PeagleError):
     """The job's lease is no longer ours (requeued by the reaper, or finished by someone else)."""
 
     code = "lease_lost"

@@ -13,6 +13,8 @@ heading to returns it unchanged. Importable by the worker: no FastAPI, no databa
 
 from __future__ import annotations
 
+from peagle.errors import PeagleError
+
 __all__ = [
     "ACTIVE",
     "ALL_STATES",
@@ -72,7 +74,7 @@ _ACTIONS: dict[str, dict[str, str]] = {
 }
 
 
-class IllegalTransition(Exception):
+class IllegalTransition(PeagleError):
     """A status change the state machine forbids; `.current` names the job's state (API: 409)."""
 
     code = "illegal_transition"

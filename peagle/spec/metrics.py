@@ -1,0 +1,82 @@
+"""Metric keys: the one definition of the names the trainer writes and the service stores and shows.
+
+The trainer (`peagle.cod.loss`, `peagle.train.loop`, `peagle.pipeline`) produces them, the worker
+(`worker.progress`) files them into the database, the API ranks checkpoints by them and serves their
+patterns to the dashboard (`GET /v1/meta`). Torch-free.
+
+    acc_key(0) == "acc_0"; eval_key("loss") == "eval_loss"; al_pos_key(2) == "al_pos_2"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "ACCEPTANCE_LENGTH",
+    "ACC_PREFIX",
+    "AL_POS_PREFIX",
+    "EVAL_PREFIX",
+    "FULL_ACC",
+    "LOSS",
+    "PER_POSITION",
+    "TAU_SIM",
+    "acc_key",
+    "al_pos_key",
+    "al_pos_values",
+    "eval_key",
+    "is_eval_key",
+    "is_measured_al_key",
+    "key_patterns",
+]
+
+LOSS = "loss"
+FULL_ACC = "full_acc"
+#: Simulated acceptance length (sum over k of prod_{j<=k} acc_j).
+TAU_SIM = "tau_sim"
+#: Measured acceptance length (reference decoder on the eval prompts).
+ACCEPTANCE_LENGTH = "acceptance_length"
+#: Depth-d accuracy: `acc_{d}`.
+ACC_PREFIX = "acc_"
+#: Held-out versions of the training metrics: `eval_{key}`.
+EVAL_PREFIX = "eval_"
+#: Measured acceptance rate at draft position k: `al_pos_{k}`.
+AL_POS_PREFIX = "al_pos_"
+#: The list of per-position acceptance rates in an eval record (spread into `al_pos_{k}` keys).
+PER_POSITION = "per_position"
+
+
+def acc_key(depth: int) -> str:
+    """`acc_{depth}`."""
+    return f"{ACC_PREFIX}{depth}"
+
+
+def eval_key(key: str) -> str:
+    """`eval_{key}`: the held-out value of a training metric."""
+    return f"{EVAL_PREFIX}{key}"
+
+
+def al_pos_key(position: int) -> str:
+    """`al_pos_{position}`."""
+    return f"{AL_POS_PREFIX}{position}"
+
+
+def al_pos_values(per_position: Iterable[Any]) -> dict[str, Any]:
+    """`{al_pos_0: v0, al_pos_1: v1, ...}` of a per-position list."""
+    return {al_pos_key(k): v for k, v in enumerate(per_position)}
+
+
+def is_eval_key(key: str) -> bool:
+    """Measured on held-out data or by decoding (drawn unsmoothed): `eval_*` and `acceptance_length`."""
+    return key.startswith(EVAL_PREFIX) or key == ACCEPTANCE_LENGTH
+
+
+def is_measured_al_key(key: str) -> bool:
+    """The measured acceptance length or one of its per-position rates."""
+    return key == ACCEPTANCE_LENGTH or key.startswith(AL_POS_PREFIX)
+
+
+def key_patterns() -> Mapping[str, str]:
+    """The named keys and prefixes, as the API serves them to the dashboard."""
+    return {"loss": LOSS, "full_acc": FULL_ACC, "tau_sim": TAU_SIM, "acceptance_length": ACCEPTANCE_LENGTH,
+            "acc_prefix": ACC_PREFIX, "eval_prefix": EVAL_PREFIX, "al_pos_prefix": AL_POS_PREFIX}
