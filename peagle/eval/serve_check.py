@@ -21,7 +21,7 @@ from peagle.errors import ResourceError
 
 __all__ = ["compare_reports", "probe_script", "run_eval", "run_vllm_probe", "vllm_python"]
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def probe_script() -> Path:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +21,8 @@ def smollm2_export(smollm2_path, tmp_path_factory):
     from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
 
     if vllm_python() is None:
+        # a built venv that is not found is a bug (it hid a wrong repo root once): never a skip
+        assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
         pytest.skip("vLLM venv missing: run `make vllm-env` (builds .vllm-venv)")
     target = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
     n = target.config.num_hidden_layers
