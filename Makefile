@@ -37,6 +37,12 @@ deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	    || echo "WARNING: could not install chromium; browser tests will skip"; \
 	fi
+	@# docker-compose validates docker-compose.yml against the Compose schema without a Docker engine.
+	@if ! command -v docker-compose >/dev/null 2>&1; then \
+	  echo "==> installing Debian's docker-compose (validates docker-compose.yml; no engine needed)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null) \
+	    || echo "WARNING: could not install docker-compose; the compose schema test will skip"; \
+	fi
 
 # PostgreSQL and Redis: start them if installed and down.
 services:

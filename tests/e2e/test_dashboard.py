@@ -197,7 +197,9 @@ def test_empty_and_error_states(page: object) -> None:
     pg.goto("/?q=no-such-job-anywhere")
     pg.get_by_text("No job matches these filters.").wait_for()
     pg.goto("/job.html?id=job_DOESNOTEXIST0000000000000000")
-    pg.locator(".error-box", has_text="not").wait_for()
+    box = pg.locator(".error-box")
+    box.wait_for()
+    assert box.inner_text().strip() == "not_found: no job 'job_DOESNOTEXIST0000000000000000'", box.inner_text()
 
 
 def test_metric_definitions_and_labels(page: object, server: Server) -> None:
