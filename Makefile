@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test venv deps services vllm-env-if-possible lint contracts pytest fixtures bench vllm-env peer-env clean help
+.PHONY: run test venv deps services vllm-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help
 
 help:
 	@echo "make run    - the service on embedded defaults (SQLite, filesystem broker), ready to train a demo draft"
@@ -70,6 +70,9 @@ lint: venv
 contracts: venv
 	$(VENV)/bin/lint-imports
 
+typecheck: venv
+	$(VPY) -m mypy
+
 pytest: venv
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
@@ -78,6 +81,8 @@ test: venv deps services vllm-env-if-possible
 	@$(VPY) -m ruff check .
 	@echo "==> import contracts"
 	@$(VENV)/bin/lint-imports
+	@echo "==> mypy"
+	@$(VPY) -m mypy
 	@echo "==> fixtures (SmolLM2 folder, built once and cached)"
 	@$(VPY) -m peagle fixtures
 	@echo "==> pytest"

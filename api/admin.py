@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import sqlalchemy as sa
 import typer
 
@@ -79,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

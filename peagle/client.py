@@ -206,9 +206,10 @@ class PeagleClient:
         if step is None:
             ck = next((c for c in cks if c["is_best"]), None) or next((c for c in cks if c["is_latest"]), cks[-1])
         else:
-            ck = next((c for c in cks if c["step"] == step), None)
-            if ck is None:
+            at_step = next((c for c in cks if c["step"] == step), None)
+            if at_step is None:
                 raise ServiceError(404, "not_found", f"job {job_id} has no checkpoint at step {step}")
+            ck = at_step
         files = [f for f in ck["files"] if training_state or f["path"] not in TRAINING_ONLY_FILES]
         return [self.download_file(f["url"], dest / f["path"], f["sha256"]) for f in files]
 

@@ -264,8 +264,9 @@ def _text_of(content: Any) -> str | None:
         return content
     if isinstance(content, list):  # OpenAI-style parts
         parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
-        if all(isinstance(p, str) for p in parts):
-            return "".join(parts)
+        texts = [p for p in parts if isinstance(p, str)]
+        if len(texts) == len(parts):
+            return "".join(texts)
     return None
 
 

@@ -1,10 +1,10 @@
-"""Packing conversations into fixed-length rows, and the shift of decision 1.
+"""Packing conversations into fixed-length rows, and the shift of docs/decisions.md decision 1.
 
 Packing is best-fit decreasing over the conversations in a seeded random order (ties in length keep that
 order), so it is deterministic given the seed. A row holds whole conversations back to back; `document_ids`
 numbers them 0..n-1 within the row and is -1 on padding (token 0, mask 0).
 
-Shift (decision 1, speculators/NeMo): slot i holds token x[i+1], aux g[i], target z[i+1], mask m[i+1];
+Shift (docs/decisions.md decision 1, speculators/NeMo): slot i holds token x[i+1], aux g[i], target z[i+1], mask m[i+1];
 the row keeps its length T and the tail slot is zero-filled (token 0, target 0, mask 0). `document_ids`
 stays unshifted (the document of g[i]); mask and target are also 0 at the last slot of every document,
 whose "next token" is the first token of the next document (or padding); padding slots have aux 0. Worked example, two documents::
@@ -107,7 +107,7 @@ def _shift_left(x: Tensor) -> Tensor:
 
 
 def shift_rows(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Decision-1 shift of the token-level tensors ([B, T] each); see the module docstring."""
+    """The shift (docs/decisions.md decision 1) of the token-level tensors ([B, T] each); see the module docstring."""
     ids = _shift_left(input_ids)  # [B, T]
     nxt_doc = torch.full_like(document_ids, -1)
     nxt_doc[:, :-1] = document_ids[:, 1:]
@@ -119,7 +119,7 @@ def shift_rows(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor) -> tu
 def shift_features(
     input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, aux: Tensor, logits: Tensor
 ) -> dict[str, Tensor]:
-    """Decision-1 shift of a captured batch into the trainer's keys.
+    """The shift (docs/decisions.md decision 1) of a captured batch into the trainer's keys.
 
     Args:
         input_ids, loss_mask, document_ids: [B, T] unshifted.

@@ -3,8 +3,8 @@
 Steps: stream every source (`peagle.data.formats`), hold out `data.eval_samples` conversations (seeded),
 optionally regenerate assistant turns with the target, template + mask on all cores
 (`peagle.data.template`), drop rows with fewer than `data.min_assistant_tokens` supervised tokens
-(reported), count assistant tokens of the TRAIN rows for the draft vocab (decision 7), choose the mask
-token (decision 8, proven unused in train+eval rows), pack (seeded). Results go to ``RUN/data/``
+(reported), count assistant tokens of the TRAIN rows for the draft vocab (docs/decisions.md decision 7), choose the mask
+token (docs/decisions.md decision 8, proven unused in train+eval rows), pack (seeded). Results go to ``RUN/data/``
 (``prepared.pt``, ``vocab.safetensors``, ``report.json``) keyed by the spec hash of the sections that
 produce them, so a resumed run reloads them.
 """
@@ -33,6 +33,7 @@ from peagle.data.vocab import (
     save_vocab,
 )
 from peagle.errors import DataInvalidError
+from peagle.fileio import atomic_path
 from peagle.spec import TrainSpec
 
 __all__ = ["PreparedData", "data_cache_key", "prepare_data"]
@@ -42,7 +43,7 @@ CACHE_VERSION = 1
 
 @dataclass
 class PreparedData:
-    """What `prepare_data` returns (see /work/brief/data_api.md)."""
+    """What `prepare_data` returns: packed train/eval rows, vocab, mask token, report, data dir."""
 
     train: PackedRows
     eval: PackedRows
@@ -148,7 +149,7 @@ def prepare_data(
     if not rows:
         raise DataInvalidError("no usable conversation in data.sources: " + json.dumps(src_reports)[:2000])
     chat = [i for i, r in enumerate(rows) if r.messages is not None]
-    convs = [rows[i].messages for i in chat]
+    convs = [m for m in (rows[i].messages for i in chat) if m is not None]
     if d.regenerate.enabled and chat:
         if model is None:
             raise DataInvalidError("data.regenerate.enabled needs the target model (pass model=)")
@@ -175,6 +176,7 @@ def prepare_data(
     truncated = sum(e.truncated for e in encoded)
     for i, r in enumerate(rows):
         if r.input_ids is not None:
+            assert r.loss_mask is not None, "a pre-tokenised row carries its loss mask"
             truncated += len(r.input_ids) > d.max_length
             docs[i] = (r.input_ids[: d.max_length], r.loss_mask[: d.max_length])
     valid = []
@@ -208,8 +210,8 @@ def prepare_data(
     counts = count_assistant_tokens((as_t[i] for i in keep_train), target_vocab_size)
     vocab = build_draft_vocab(counts, spec.draft.draft_vocab_size)
     used = torch.zeros(target_vocab_size, dtype=torch.bool)
-    for ids, _m in as_t.values():
-        used[ids] = True
+    for row_ids, _m in as_t.values():
+        used[row_ids] = True
     mask_id, how = resolve_mask_token_id(spec.draft.mask_token_id, tokenizer, target_vocab_size, used)
     save_vocab(vocab, data_dir / "vocab.safetensors")
 
@@ -237,16 +239,16 @@ def prepare_data(
         "mask_token_source": how,
     }
     (data_dir / "report.json").write_text(json.dumps(report, indent=1))
-    torch.save(
-        {
-            "key": key,
-            "train": [train.input_ids, train.loss_mask, train.document_ids],
-            "eval": [evalr.input_ids, evalr.loss_mask, evalr.document_ids],
-            "mask_token_id": mask_id,
-        },
-        data_dir / "prepared.pt.tmp",
-    )
-    (data_dir / "prepared.pt.tmp").replace(cached)
+    with atomic_path(cached) as tmp:
+        torch.save(
+            {
+                "key": key,
+                "train": [train.input_ids, train.loss_mask, train.document_ids],
+                "eval": [evalr.input_ids, evalr.loss_mask, evalr.document_ids],
+                "mask_token_id": mask_id,
+            },
+            tmp,
+        )
     _log(
         sink,
         f"data: {len(keep_train)} train / {len(keep_eval)} eval conversations -> {len(train)} rows; "

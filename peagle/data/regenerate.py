@@ -1,6 +1,6 @@
 """Response regeneration: replace assistant turns with the target's own answers.
 
-Drafts accept more when trained on what the target itself would say (peagle.md section 1.2). For each
+Drafts accept more when trained on what the target itself would say (docs/algorithm.md 1.2). For each
 conversation, assistant turn j is regenerated from the prompt ``conv[:j]`` (whose earlier assistant turns
 are already regenerated), greedy (temperature 0) or sampled; user/system turns are kept. Conversations are
 processed in batches of `RegenerateSpec.batch_size` (left-padded `generate`), and every finished
@@ -100,7 +100,7 @@ def regenerate_conversations(
         with cache.open("a", encoding="utf-8") as fh:
             for b in range(0, len(todo), cfg.batch_size):
                 batch = todo[b : b + cfg.batch_size]
-                convs = {i: [] for i in batch}
+                convs: dict[int, list[dict[str, str]]] = {i: [] for i in batch}
                 pending = {i: list(conversations[i]) for i in batch}
                 # advance all conversations of the batch turn by turn
                 while any(pending.values()):

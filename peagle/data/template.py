@@ -1,6 +1,6 @@
 """Chat templating with the target's own template and assistant-only loss masks (torch-free).
 
-Render-boundary method (peagle.md section 1.2, speculators HEAD), one row per conversation: for each
+Render-boundary method (docs/algorithm.md 1.2, speculators HEAD), one row per conversation: for each
 assistant turn j, the supervised text starts where ``render(conv[:j], add_generation_prompt=True)`` ends
 (or at the common prefix with ``render(conv[:j+1])`` when the generation prompt diverges, e.g. a
 pre-filled ``<think>``) and ends where ``render(conv[:j+1])`` ends, minus trailing whitespace (so the
@@ -81,7 +81,7 @@ def assistant_spans(
 
 
 def _think_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out = []
+    out: list[tuple[int, int]] = []
     for s, e in spans:
         out.extend((s + m.start(), s + m.end()) for m in _THINK.finditer(text[s:e]))
     return out

@@ -1,4 +1,4 @@
-"""Draft vocabulary (decision 7) and the mask token (decision 8).
+"""Draft vocabulary (docs/decisions.md decision 7) and the mask token (docs/decisions.md decision 8).
 
 Draft vocab = the Vd most frequent ASSISTANT tokens (ties: lower id first), padded with the lowest unused
 ids, sorted ascending. Stored as ``d2t`` int64 [Vd] offsets (``target_id = i + d2t[i]``) and ``t2d`` bool
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from peagle.errors import DataInvalidError
+from peagle.fileio import atomic_path
 
 __all__ = [
     "DraftVocab",
@@ -62,7 +63,7 @@ def count_assistant_tokens(rows: Iterable[tuple[Tensor, Tensor]], vocab_size: in
 
 
 def build_draft_vocab(counts: Tensor, draft_vocab_size: int | None) -> DraftVocab:
-    """Decision 7 from assistant token counts [V]; `draft_vocab_size` None or >= V = full vocab."""
+    """The draft vocabulary (docs/decisions.md decision 7) from assistant token counts [V]; `draft_vocab_size` None or >= V = full vocab."""
     v = int(counts.numel())
     vd = v if draft_vocab_size is None else min(int(draft_vocab_size), v)
     if vd == v:
@@ -81,12 +82,13 @@ def save_vocab(vocab: DraftVocab, path: str | Path) -> None:
     """Write ``d2t`` int64 [Vd] and ``t2d`` bool [V] (none when Vd == V) with sizes in the metadata."""
     from safetensors.torch import save_file
 
-    tensors = {} if vocab.is_full else {"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}
+    tensors = {}
+    if not vocab.is_full:
+        assert vocab.d2t is not None and vocab.t2d is not None, "a reduced vocabulary has its mapping"
+        tensors = {"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}
     meta = {"vocab_size": str(vocab.vocab_size), "draft_vocab_size": str(vocab.draft_vocab_size)}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    with atomic_path(Path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
 
 
 def load_vocab(path: str | Path) -> DraftVocab:
@@ -109,7 +111,8 @@ def _reserved_candidates(tokenizer: Any) -> list[int]:
         getattr(tokenizer, a, None) for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
     }
     template = str(getattr(tokenizer, "chat_template", "") or "")
-    reserved, other = [], []
+    reserved: list[int] = []
+    other: list[int] = []
     for tid, tok in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items()):
         content = getattr(tok, "content", str(tok))
         if not getattr(tok, "special", True) or tid in used or content in template:
@@ -121,7 +124,7 @@ def _reserved_candidates(tokenizer: Any) -> list[int]:
 def resolve_mask_token_id(
     requested: int | str, tokenizer: Any, vocab_size: int, used: Tensor
 ) -> tuple[int, str]:
-    """Decision 8: (mask_token_id, how it was chosen).
+    """The mask token (docs/decisions.md decision 8): (mask_token_id, how it was chosen).
 
     Order: explicit id; the tokenizer's mask token; the first unused embedding slot ``len(tokenizer)`` when
     ``len(tokenizer) < vocab_size``; an unused reserved special token. The id must be in [0, V) and must

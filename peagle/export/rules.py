@@ -1,4 +1,4 @@
-"""Validator of vLLM-ready P-EAGLE export directories (peagle.md section 3.1 "What vLLM reads", 3.2, 6.7-6.8).
+"""Validator of vLLM-ready P-EAGLE export directories (docs/export.md 4-5, docs/algorithm.md 5.7-5.8).
 
 `validate_export(dir)` lists every violation, one precise message each (empty = valid):
 config rules of vLLM's speculators parser and `peagle` updater (speculators_config shape, proposal
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from safetensors import safe_open
@@ -73,7 +73,7 @@ def read_export_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

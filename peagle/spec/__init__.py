@@ -4,6 +4,7 @@
 JSON column and the worker input. The API imports only this package (and `peagle.errors`) from `peagle`.
 """
 
+from peagle.spec.phases import PHASES
 from peagle.spec.presets import preset, preset_names
 from peagle.spec.schema import (
     BUILTIN_DATA,
@@ -38,6 +39,7 @@ __all__ = [
     "BUILTIN_PROMPT_SETS",
     "BUILTIN_TARGETS",
     "DATASET_PREFIX",
+    "PHASES",
     "SPEC_VERSION",
     "CheckpointSpec",
     "DataSource",

@@ -284,7 +284,7 @@ class ResourceSpec(_Strict):
 class TrainSpec(_Strict):
     """A P-EAGLE draft-training job."""
 
-    spec_version: Literal[1] = Field(default=SPEC_VERSION, description="Version of this schema.")
+    spec_version: Literal[1] = Field(default=1, description="Version of this schema.")
     name: str | None = Field(default=None, max_length=200, description="Human-readable job name.")
     tags: list[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")]] = Field(
         default_factory=list, max_length=32, description="Labels for filtering."

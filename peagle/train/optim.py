@@ -157,6 +157,7 @@ class RowLazyAdamW(torch.optim.AdamW):
             state["rows"] = torch.zeros(0, dtype=torch.long, device=p.device)
             state["exp_avg"] = p.new_zeros((0, p.shape[1]))
             state["exp_avg_sq"] = p.new_zeros((0, p.shape[1]))
+        assert p.grad is not None, "only parameters with a gradient are stepped"
         idx, values = grad_rows(p.grad)  # [k], [k, H]
         rows = state["rows"]  # [S]
         slot_of = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)  # [V] row -> slot
@@ -212,7 +213,8 @@ def build_optimizer(model: nn.Module, optim: OptimSpec) -> RowLazyAdamW:
     Embedding tables (`nn.Embedding` weights) take the row-lazy path, so a sparse embedding gradient
     (`peagle.train.step`) is consumed as it is.
     """
-    decay, no_decay = [], []
+    decay: list[Tensor] = []
+    no_decay: list[Tensor] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
