@@ -72,6 +72,7 @@ def _time(fn, reps: int) -> tuple[float, object]:
 def draft_step(row, layers: int, vd: int, mask: torch.Tensor) -> float:
     """Seconds of one draft forward + KL loss + backward over the flat row (SDPA, dense additive mask)."""
     from peagle.cod.loss import cod_loss_sums
+    from peagle.model.attention import prepare_dense
     from peagle.model.draft import DraftConfig, PEagleDraft
 
     cfg = DraftConfig(
@@ -96,7 +97,8 @@ def draft_step(row, layers: int, vd: int, mask: torch.Tensor) -> float:
     sel = torch.nonzero(row.weight > 0).reshape(-1)
     target = torch.randn(sel.numel(), vd, generator=g)
     t0 = time.perf_counter()
-    hidden = draft(row.input_ids[None], aux, row.is_masked[None], row.ref_pos[None], mask)
+    prepared = prepare_dense(mask, row.ref_pos, row.is_masked)  # as the trainer runs it
+    hidden = draft(row.input_ids[None], aux, row.is_masked[None], row.ref_pos[None], prepared)
     logits = draft.compute_logits(hidden[0].index_select(0, sel))
     loss_sum, _ = cod_loss_sums(logits, target, row.weight[sel], row.depth[sel], 8)
     (loss_sum / row.weight.sum()).backward()

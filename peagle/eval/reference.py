@@ -1,4 +1,4 @@
-"""Acceptance length by a pure-PyTorch parallel-drafting reference decoder (peagle.md 4.1-4.3, decision 11).
+"""Acceptance length by a pure-PyTorch parallel-drafting reference decoder (docs/algorithm.md 4.1-4.3, docs/decisions.md decision 11).
 
 Greedy speculative decoding, step by step as vLLM does it with parallel drafting:
 
@@ -38,6 +38,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from peagle.errors import DataInvalidError
+from peagle.model.attention import prepare_dense
 
 if TYPE_CHECKING:
     from peagle.model.draft import PEagleDraft
@@ -74,7 +75,7 @@ class TargetStepper:
         aux_layer_ids: 3 layer ids in vLLM's "input of layer" convention (= HF `hidden_states[i]`).
     """
 
-    def __init__(self, model: torch.nn.Module, aux_layer_ids: Sequence[int]) -> None:
+    def __init__(self, model: Any, aux_layer_ids: Sequence[int]) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -119,7 +120,7 @@ class TargetStepper:
 
 
 class DraftProposer:
-    """Parallel drafting with a `PEagleDraft`: K tokens from one draft forward (peagle.md 4.1).
+    """Parallel drafting with a `PEagleDraft`: K tokens from one draft forward (docs/algorithm.md 4.1).
 
     Args:
         draft: the draft (eval mode; any device/dtype).
@@ -143,7 +144,8 @@ class DraftProposer:
         is_masked = torch.arange(m + k - 1, device=dev) >= m  # [m+K-1]
         pos = torch.arange(m + k - 1, device=dev)  # real slot p at p; mask slot i at m-1+i
         causal = torch.ones(m + k - 1, m + k - 1, dtype=torch.bool, device=dev).tril()  # [n, n]
-        hidden = self.draft(ids[None], feats[None], is_masked[None], pos[None], causal)  # [1, n, H]
+        mask = prepare_dense(causal, pos, is_masked)  # the trainer's dense-mask policy
+        hidden = self.draft(ids[None], feats[None], is_masked[None], pos[None], mask)  # [1, n, H]
         logits = self.draft.compute_logits(hidden[0, m - 1 :])  # [K, Vd]
         return self.draft.draft_to_target(logits.argmax(-1)).cpu()  # [K]
 
@@ -151,7 +153,7 @@ class DraftProposer:
 class CachedDraftProposer(DraftProposer):
     """Parallel drafting with a draft KV cache: `DraftProposer`'s proposals at a fraction of the cost.
 
-    What vLLM does (peagle.md 4.1): the K/V of every real slot (token seq[p+1], aux g[p], position p)
+    What vLLM does (docs/algorithm.md 4.1): the K/V of every real slot (token seq[p+1], aux g[p], position p)
     depend only on the prefix, so they are computed once, when the slot is committed, and kept per
     layer; each step runs the draft only over the new real slots and the K-1 mask slots (whose K/V are
     never kept). Same layers, same weights (the draft's own submodules), same greedy proposals as the
@@ -196,7 +198,8 @@ class CachedDraftProposer(DraftProposer):
         visible = torch.ones(q_len, c + q_len, dtype=torch.bool, device=dev).tril(diagonal=c)  # [q, C+q]
         x = hid
         new_kv = []
-        for i, layer in enumerate(d.layers):
+        layers: list[Any] = list(d.layers)  # PEagleFirstLayer, then PEagleLayer
+        for i, layer in enumerate(layers):
             if i == 0:
                 inp = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hid)], dim=-1)  # [1, q, 2H]
                 resid = hid  # un-normalised residual of the fused first layer

@@ -10,9 +10,10 @@ in summation order.
 
 * `linear(x, weight)`: `F.linear` without bias, differentiable; forward and both backward products go
   through oneDNN on CPU fp32 (`_Linear`), anything else (CUDA, autocast, fp64, bf16) is `F.linear`;
+* `KernelLinear`: an `nn.Linear` whose forward is `linear` (the draft's projections, called as modules);
 * `mm_nt(a, b)`: `a @ b.T` for code that computes its own gradients (`peagle.cod.loss`), same dispatch;
 * `grouped_attention(q, k, v, groups)`: attention cut into query groups that each see a subset of the
-  keys (`peagle.model.draft.QueryGroups`), fwd + bwd in oneDNN products; like flash attention it keeps only
+  keys (`peagle.model.attention.QueryGroups`), fwd + bwd in oneDNN products; like flash attention it keeps only
   q, k, v and the output for backward and recomputes each group's probabilities there.
 
 On Intel CPUs it is the other way round: on the 2-core Xeon (avx512_fp16) bench machine the whole train
@@ -32,9 +33,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["ONEDNN", "auto_onednn", "choose_onednn", "cpu_vendor", "grouped_attention", "linear", "mm_nt", "uses_onednn"]
+__all__ = [
+    "ONEDNN",
+    "KernelLinear",
+    "auto_onednn",
+    "choose_onednn",
+    "cpu_vendor",
+    "grouped_attention",
+    "linear",
+    "mm_nt",
+    "uses_onednn",
+]
 
 ONEDNN: bool | None = None
 """Route fp32 CPU products through oneDNN (when this PyTorch build has it); None = by CPU (`auto_onednn`)."""
@@ -116,12 +127,12 @@ class _Linear(torch.autograd.Function):
     """`x [M, in] @ weight [out, in].T` with the three products (forward, grad x, grad weight) in oneDNN."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(x, weight)
         return _nt(x, weight)  # [M, out]
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         x, weight = ctx.saved_tensors
         grad_x = _nt(grad, weight.t()) if ctx.needs_input_grad[0] else None  # [M, in]
         grad_w = _nt(grad.t(), x.t()) if ctx.needs_input_grad[1] else None  # [out, in]
@@ -134,6 +145,19 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x, weight)
     lead = x.shape[:-1]
     return _Linear.apply(x.reshape(-1, x.shape[-1]), weight).view(*lead, weight.shape[0])
+
+
+class KernelLinear(nn.Linear):
+    """`nn.Linear` (same parameters, names and init) whose product is `linear` (oneDNN on CPU fp32).
+
+    The draft's projections are these modules and are called as modules, so forward hooks, DDP and
+    module wrappers see them; only the kernel behind the call differs from `nn.Linear`.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x `[*, in]` -> `[*, out]`."""
+        y = linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 Groups = Sequence[tuple[Tensor, Tensor, Tensor]]
@@ -154,7 +178,7 @@ class _GroupedAttention(torch.autograd.Function):
     in place (the transposed ones are [hd, *], small)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: Groups) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: Groups) -> Tensor:
         nh, _, hd = q.shape[1:]
         nkv = k.shape[1]
         rep, scale = nh // nkv, hd**-0.5
@@ -176,7 +200,7 @@ class _GroupedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out = ctx.saved_tensors
         nh, _, hd = q.shape[1:]
         nkv = k.shape[1]

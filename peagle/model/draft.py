@@ -1,13 +1,13 @@
 """The P-EAGLE draft network: a Llama-style EAGLE-3 draft with parallel-drafting extras.
 
 Reads top to bottom like `transformers.models.llama.modeling_llama`:
-`DraftConfig` -> `select_attention` -> `QueryGroups` / `group_queries` -> `attend` (SDPA with a dense
-mask, cut into query groups that each see only their visible keys, or flex attention with a `BlockMask`)
--> `KVCarry` (context keys / values carried between the forwards of a partitioned row) -> `PEagleAttention`
--> `PEagleFirstLayer` (fused, 2H attention input) -> `PEagleLayer` (plain pre-norm block) -> `PEagleDraft`
--> `init_from_target` (embeddings, lm_head rows) -> `init_layers_from_target` (spec `draft.layer_init`).
+`DraftConfig` -> `PEagleAttention` -> `PEagleMLP` -> `PEagleFirstLayer` (fused, 2H attention input) ->
+`PEagleLayer` (plain pre-norm block) -> `PEagleDraft`. The attention backends, prepared masks and the
+keys / values carried between the forwards of a partitioned row live in `peagle.model.attention`;
+starting the draft from its target (`init_from_target`, `init_layers_from_target`) in
+`peagle.model.initialization`.
 
-Architecture (peagle.md section 1.5, decision 6):
+Architecture (docs/algorithm.md 1.5, docs/decisions.md decision 6):
 - `embed_tokens` [V, H] (initialised from the target, trainable unless frozen by the spec);
 - `fc` [H, 3H] projects the 3 captured target hidden states (or `mask_hidden` at masked slots) to H;
 - `layers.0` attends over `[input_layernorm(emb) ; hidden_norm(hid)]` (2H) with the un-normalised
@@ -18,8 +18,9 @@ Architecture (peagle.md section 1.5, decision 6):
 
 Parameter and buffer names are exactly the exported (speculators / vLLM) keys, so the export is a plain
 `save_file(draft.state_dict())` (plus a bf16 cast). The rotary `inv_freq` buffers are not persistent.
-The layers call their weights through `peagle.model.cpu_kernels.linear` (oneDNN for CPU fp32, `F.linear` otherwise)
-rather than the `nn.Linear` modules, which stay as the holders of those names.
+Every projection is called as its module; `fc` and the layers' projections are
+`peagle.model.cpu_kernels.KernelLinear` (an `nn.Linear` whose product is oneDNN for CPU fp32, `F.linear`
+otherwise), so hooks and wrappers apply and the names stay `nn.Linear`'s.
 
 Weights that must come from the target (`embed_tokens`, `lm_head`) start as NaN so a draft that was
 never initialised with `init_from_target` (or a checkpoint) is detected at the first forward.
@@ -29,44 +30,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from peagle.errors import TargetLoadError
-from peagle.model.cpu_kernels import grouped_attention, linear, uses_onednn
+from peagle.model.attention import AttnMask, DenseMask, KernelMask, KVCarry, LayerKV, attend
+from peagle.model.cpu_kernels import KernelLinear
 
 __all__ = [
-    "AttentionBackend",
     "DraftConfig",
-    "KVCarry",
-    "LayerKV",
     "PEagleAttention",
     "PEagleDraft",
     "PEagleFirstLayer",
     "PEagleLayer",
     "PEagleMLP",
-    "QueryGroups",
-    "attend",
     "expected_state_keys",
-    "group_queries",
-    "init_from_target",
-    "init_layers_from_target",
-    "select_attention",
 ]
-
-AttentionBackend = Literal["sdpa", "flex"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,211 +150,10 @@ class DraftConfig:
         return asdict(self)
 
 
+
 # --------------------------------------------------------------------------------------------------
-# Attention kernels
+# Attention and MLP
 # --------------------------------------------------------------------------------------------------
-
-
-def select_attention(device: torch.device | str, requested: str = "auto") -> AttentionBackend:
-    """Pick the attention backend: compiled flex on CUDA, dense-mask SDPA elsewhere (no flex backward on CPU).
-
-    Args:
-        device: where the draft runs.
-        requested: `auto`, `sdpa` or `flex` (`resources.attention` of the spec).
-    """
-    dev = torch.device(device)
-    if requested == "auto":
-        return "flex" if dev.type == "cuda" else "sdpa"
-    if requested not in ("sdpa", "flex"):
-        raise ValueError(f"resources.attention must be auto, sdpa or flex, got {requested!r}")
-    return requested  # type: ignore[return-value]
-
-
-def _flex_kernel(cache: dict[str, Any], q: Tensor) -> Any:
-    """Compiled flex attention on CUDA with head_dim >= 16 (Inductor's limit), eager flex otherwise."""
-    if q.device.type != "cuda" or q.shape[-1] < 16:
-        return flex_attention
-    if "flex" not in cache:
-        cache["flex"] = torch.compile(flex_attention, dynamic=True)
-    return cache["flex"]
-
-
-@dataclass(eq=False)
-class QueryGroups:
-    """A dense mask cut into query groups, each with only the keys it can see (block-sparse SDPA).
-
-    COD visibility is very sparse: a query sees the depth-0 keys up to its anchor plus <= K-1 keys of
-    its own chain. Queries sorted by position and cut into groups of about `GROUP_QUERIES` see only a
-    prefix of the depth-0 keys and the chain keys of their positions, so one SDPA call per group over
-    its visible keys does about a quarter of the work of the [N, N] call (measured 0.2-0.4 of the
-    multiply-adds at T = 512..2048, K = 8), with the same result (every key left out is masked for the
-    whole group). Built once per forward (`group_queries`) and shared by every layer.
-
-    Attributes:
-        groups: per group `(query_index [n_g], key_index [k_g], mask [n_g, k_g])`, the mask being the
-            rows/columns of the full mask (bool or additive float).
-        inverse: `[N]` permutation putting the concatenated group outputs back in element order.
-    """
-
-    groups: list[tuple[Tensor, Tensor, Tensor]]
-    inverse: Tensor
-
-
-AttnMask = Tensor | BlockMask | QueryGroups
-
-GROUP_QUERIES = 160  # queries per group: big enough for efficient SDPA blocks, small enough to prune keys
-GROUP_MIN_ELEMENTS = 512  # below this one SDPA call is as fast
-
-
-def group_queries(mask: Tensor, position_ids: Tensor, *, group_size: int | None = None) -> QueryGroups | None:
-    """Cut a dense `[Nq, Nk]` (or `[1, Nq, Nk]` / `[1, 1, Nq, Nk]`) mask into `QueryGroups`.
-
-    Args:
-        mask: bool (True = visible) or additive float (-inf = hidden) mask; Nq < Nk when the keys start
-            with carried context keys (`KVCarry.past`).
-        position_ids: `[Nq]` (or `[1, Nq]`) positions of the queries; queries are grouped in position order, which
-            keeps each group's visible keys few for COD rows (any order is correct, only slower).
-        group_size: queries per group (default `GROUP_QUERIES`).
-
-    Returns:
-        The groups, or None when Nq and Nk < `GROUP_MIN_ELEMENTS` or grouping would not save a fifth of the work.
-    """
-    if mask.dim() > 2 and any(int(x) != 1 for x in mask.shape[:-2]):
-        return None
-    m = mask.reshape(mask.shape[-2], mask.shape[-1])  # [Nq, Nk]
-    n, nk = m.shape
-    if n < GROUP_MIN_ELEMENTS and nk < GROUP_MIN_ELEMENTS:
-        return None
-    order = torch.argsort(position_ids.reshape(-1), stable=True)  # [Nq]
-    groups, work = [], 0
-    for q_idx in torch.split(order, group_size or GROUP_QUERIES):
-        rows = m.index_select(0, q_idx)  # [n_g, Nk]
-        visible = rows if rows.dtype == torch.bool else rows != float("-inf")
-        k_idx = torch.nonzero(visible.any(0)).reshape(-1)  # [k_g]
-        if k_idx.numel() == 0:  # a group of rows that see nothing: keep SDPA's behaviour on them
-            k_idx = torch.arange(nk, device=m.device)
-        groups.append((q_idx, k_idx, rows.index_select(1, k_idx)))
-        work += q_idx.numel() * k_idx.numel()
-    if work > 0.8 * n * nk:
-        return None
-    return QueryGroups(groups=groups, inverse=torch.argsort(order))
-
-
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: AttnMask, cache: dict[str, Any] | None = None, prefix: int = 0
-) -> Tensor:
-    """Masked attention with GQA.
-
-    Args:
-        q: [B, nh, N, hd] queries (RoPE applied).
-        k, v: [B, nkv, N, hd] keys / values.
-        attn_mask: dense bool [N, N] or [B, N, N] (True = visible; SDPA), the same as an additive float
-            mask in the query dtype (0 / -inf, `peagle.cod.mask.additive_mask`: built once, shared by all
-            layers), `QueryGroups` of such a mask (B = 1; one SDPA call per group, or on CPU fp32 one
-            `peagle.model.cpu_kernels.grouped_attention` call for all groups), or a flex `BlockMask`.
-            Rows without any visible key (padding queries) must be given one by the mask builder.
-        cache: holds the compiled flex kernel (one per draft).
-        prefix: P > 0 when the first P queries see only the first P keys (the depth-0 block of a COD
-            row); the dense path then runs two SDPA calls, [P, P] and [N-P, N], instead of [N, N].
-            Checked on the mask (falls back to one call otherwise); the result is the same.
-
-    Returns:
-        [B, nh, N, hd].
-    """
-    if isinstance(attn_mask, BlockMask):
-        kernel = _flex_kernel(cache if cache is not None else {}, q)
-        return kernel(q, k, v, block_mask=attn_mask, enable_gqa=True)
-    if isinstance(attn_mask, QueryGroups):
-        if q.shape[0] == 1 and uses_onednn(q, k, v):  # one Function for all groups, oneDNN products
-            return grouped_attention(q, k, v, attn_mask.groups)  # [1, nh, N, hd]
-        outs = [
-            F.scaled_dot_product_attention(
-                q.index_select(2, q_idx), k.index_select(2, k_idx), v.index_select(2, k_idx), attn_mask=sub,
-                enable_gqa=True,
-            )  # [B, nh, n_g, hd]
-            for q_idx, k_idx, sub in attn_mask.groups
-        ]
-        return torch.cat(outs, dim=2).index_select(2, attn_mask.inverse)  # [B, nh, N, hd]
-    mask = attn_mask if attn_mask.dim() == 4 else attn_mask.view(-1, 1, *attn_mask.shape[-2:])  # [B|1, 1, N, N]
-    n = q.shape[2]
-    if 0 < prefix < n and not _any_visible(mask[..., :prefix, prefix:]):
-        top = F.scaled_dot_product_attention(
-            q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix], attn_mask=mask[..., :prefix, :prefix],
-            enable_gqa=True,
-        )  # [B, nh, P, hd]
-        rest = F.scaled_dot_product_attention(q[:, :, prefix:], k, v, attn_mask=mask[..., prefix:, :], enable_gqa=True)
-        return torch.cat([top, rest], dim=2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def _any_visible(mask: Tensor) -> bool:
-    """Whether a dense (bool or additive float) mask block lets any query see any key."""
-    return bool(mask.any()) if mask.dtype == torch.bool else bool((mask != float("-inf")).any())
-
-
-class _InjectGrad(torch.autograd.Function):
-    """Identity on `x [B, nkv, n, hd]` whose backward adds `g [B, nkv, m, hd]` (m <= n) to the gradient
-    of the first m rows: gradient that later forwards sent to these keys / values (`KVCarry.inject`)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, g: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(g)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        (g,) = ctx.saved_tensors
-        out = grad.clone()
-        out[:, :, : g.shape[2]] += g.to(out.dtype)
-        return out, None
-
-
-@dataclass(eq=False)
-class KVCarry:
-    """Keys / values carried between the forwards of one sequence-partitioned row (decision 9).
-
-    Every attention layer `l` uses its entry of each list that is set:
-
-    Attributes:
-        capture: each layer appends its post-RoPE `(k, v)` `[B, nkv, N, hd]` (detached): the no-grad
-            pass over a row's depth-0 context.
-        past: per layer `(k, v)` `[B, nkv, Nc, hd]` of Nc context keys placed BEFORE this forward's own
-            keys (the mask is then `[N, Nc + N]`); leaf tensors, so their `.grad` after the backward is
-            the gradient the loss sends to the context.
-        inject: per layer `(gk, gv)` `[B, nkv, m, hd]`: gradient added to the post-RoPE keys / values
-            of this forward's first m elements (what later forwards sent to them through `past`).
-    """
-
-    capture: list[tuple[Tensor, Tensor]] | None = None
-    past: list[tuple[Tensor, Tensor]] | None = None
-    inject: list[tuple[Tensor, Tensor]] | None = None
-
-    def layer(self, i: int) -> LayerKV:
-        """The view of layer `i`."""
-        return LayerKV(
-            capture=self.capture,
-            past=self.past[i] if self.past is not None else None,
-            inject=self.inject[i] if self.inject is not None else None,
-        )
-
-
-@dataclass(eq=False)
-class LayerKV:
-    """One layer's share of a `KVCarry`."""
-
-    capture: list[tuple[Tensor, Tensor]] | None
-    past: tuple[Tensor, Tensor] | None
-    inject: tuple[Tensor, Tensor] | None
-
-    def apply(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Own post-RoPE `k, v [B, nkv, N, hd]` -> the keys / values attention runs over."""
-        if self.capture is not None:
-            self.capture.append((k.detach(), v.detach()))
-        if self.inject is not None:
-            k, v = _InjectGrad.apply(k, self.inject[0]), _InjectGrad.apply(v, self.inject[1])
-        if self.past is not None:
-            k, v = torch.cat([self.past[0], k], dim=2), torch.cat([self.past[1], v], dim=2)  # [B, nkv, Nc+N, hd]
-        return k, v
 
 
 class PEagleAttention(nn.Module):
@@ -380,21 +163,20 @@ class PEagleAttention(nn.Module):
         super().__init__()
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        self.q_proj = nn.Linear(input_size, nh * hd, bias=False)
-        self.k_proj = nn.Linear(input_size, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(input_size, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.q_proj = KernelLinear(input_size, nh * hd, bias=False)
+        self.k_proj = KernelLinear(input_size, nkv * hd, bias=False)
+        self.v_proj = KernelLinear(input_size, nkv * hd, bias=False)
+        self.o_proj = KernelLinear(nh * hd, cfg.hidden_size, bias=False)
         self.kernel_cache: dict[str, Any] = {}
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0, kv: LayerKV | None = None
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: KernelMask, prefix: int = 0, kv: LayerKV | None = None
     ) -> Tensor:
         """x [B, N, Din], cos/sin [B, N, hd] -> [B, N, H] (`prefix`: see `attend`; `kv`: see `KVCarry`)."""
-        q, k, v = (linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self._attend(q, k, v, cos, sin, attn_mask, prefix, kv)
+        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, attn_mask, prefix, kv)
 
     def forward_rows(
-        self, x: Tensor, real: Tensor, shape: tuple[int, int], cos: Tensor, sin: Tensor, attn_mask: AttnMask,
+        self, x: Tensor, real: Tensor, shape: tuple[int, int], cos: Tensor, sin: Tensor, attn_mask: KernelMask,
         prefix: int = 0, kv: LayerKV | None = None,
     ) -> Tensor:
         """`forward` of a [B, N] input given as its distinct rows: `x` [R+1, Din] holds the rows at the
@@ -402,15 +184,15 @@ class PEagleAttention(nn.Module):
         projected once (RoPE still uses every slot's own position) -> [B, N, H]."""
         b, n = shape
 
-        def project(proj: nn.Linear) -> Tensor:
-            y = linear(x, proj.weight)  # [R+1, d]
+        def project(proj: nn.Module) -> Tensor:
+            y = proj(x)  # [R+1, d]
             return y[-1:].expand(b * n, y.shape[-1]).index_copy(0, real, y[:-1]).view(b, n, -1)  # [B, N, d]
 
         return self._attend(project(self.q_proj), project(self.k_proj), project(self.v_proj), cos, sin, attn_mask,
                             prefix, kv)
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int,
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, attn_mask: KernelMask, prefix: int,
         kv: LayerKV | None = None,
     ) -> Tensor:
         """Projections q [B, N, nh*hd], k/v [B, N, nkv*hd] -> RoPE, masked attention, o_proj -> [B, N, H]."""
@@ -422,7 +204,23 @@ class PEagleAttention(nn.Module):
         if kv is not None:
             k, v = kv.apply(k, v)  # [B, nkv, Nc + N, hd] with carried context keys
         out = attend(q, k, v, attn_mask, self.kernel_cache, prefix)  # [B, nh, N, hd]
-        return linear(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim), self.o_proj.weight)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class PEagleMLP(nn.Module):
+    """`LlamaMLP` (same weights, names and init) with `KernelLinear` projections."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = KernelLinear(h, inter, bias=False)
+        self.up_proj = KernelLinear(h, inter, bias=False)
+        self.down_proj = KernelLinear(inter, h, bias=False)
+        self.act_fn = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, N, H] -> [B, N, H]: down(act(gate(x)) * up(x))."""
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -430,29 +228,20 @@ class PEagleAttention(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-class PEagleMLP(LlamaMLP):
-    """`LlamaMLP` (same weights and names) with its products through `peagle.model.cpu_kernels.linear`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x [B, N, H] -> [B, N, H]: down(act(gate(x)) * up(x))."""
-        gate = self.act_fn(linear(x, self.gate_proj.weight))  # [B, N, I]
-        return linear(gate * linear(x, self.up_proj.weight), self.down_proj.weight)
-
-
 class PEagleFirstLayer(nn.Module):
     """Fused first layer: attention over [input_layernorm(emb) ; hidden_norm(hid)] (2H), residual = hid."""
 
-    def __init__(self, cfg: DraftConfig, llama: LlamaConfig) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.self_attn = PEagleAttention(cfg, 2 * h)
-        self.mlp = PEagleMLP(llama)
+        self.mlp = PEagleMLP(cfg)
         self.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
 
     def forward(
-        self, emb: Tensor, hid: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0,
+        self, emb: Tensor, hid: Tensor, cos: Tensor, sin: Tensor, attn_mask: KernelMask, prefix: int = 0,
         shared: tuple[Tensor, Tensor] | None = None, kv: LayerKV | None = None,
     ) -> Tensor:
         """emb, hid [B, N, H] -> [B, N, H].
@@ -478,15 +267,15 @@ class PEagleFirstLayer(nn.Module):
 class PEagleLayer(nn.Module):
     """Plain pre-norm Llama block (layers 1..L-1)."""
 
-    def __init__(self, cfg: DraftConfig, llama: LlamaConfig) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.self_attn = PEagleAttention(cfg, cfg.hidden_size)
-        self.mlp = PEagleMLP(llama)
+        self.mlp = PEagleMLP(cfg)
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: AttnMask, prefix: int = 0, kv: LayerKV | None = None
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: KernelMask, prefix: int = 0, kv: LayerKV | None = None
     ) -> Tensor:
         """x [B, N, H] -> [B, N, H]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, prefix, kv)
@@ -503,6 +292,7 @@ class PEagleDraft(nn.Module):
 
     Example:
         >>> draft = PEagleDraft(cfg); init_from_target(draft, target, t2d)
+        >>> mask = DenseMask.split(mask_for(row), row.is_masked[None])     # or group_queries / block_mask_for
         >>> hidden = draft(input_ids, aux, is_masked, position_ids, mask)   # [1, N, H]
         >>> logits = draft.compute_logits(hidden[0, supervised])            # [n, Vd]
     """
@@ -511,12 +301,9 @@ class PEagleDraft(nn.Module):
         super().__init__()
         self.config = cfg
         h, v, vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
-        llama = cfg.llama_config()
         self.embed_tokens = nn.Embedding(v, h)
-        self.fc = nn.Linear(3 * h, h, bias=False)
-        self.layers = nn.ModuleList(
-            [PEagleFirstLayer(cfg, llama)] + [PEagleLayer(cfg, llama) for _ in range(cfg.num_layers - 1)]
-        )
+        self.fc = KernelLinear(3 * h, h, bias=False)
+        self.layers = nn.ModuleList([PEagleFirstLayer(cfg)] + [PEagleLayer(cfg) for _ in range(cfg.num_layers - 1)])
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * h))
@@ -526,13 +313,20 @@ class PEagleDraft(nn.Module):
         else:
             self.d2t = None
             self.t2d = None
-        self.rotary_emb = LlamaRotaryEmbedding(llama)  # inv_freq is a non-persistent buffer
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False
-        # True: the embedding backward yields a sparse gradient (only the rows looked up) that autograd
-        # adds into a dense `embed_tokens.weight.grad` the caller allocated (the trainer does; see
-        # `peagle.train.step`), instead of building a dense [V, H] gradient per backward
-        self.sparse_embedding_grad = False
         self._init_weights()
+
+    @property
+    def sparse_embedding_grad(self) -> bool:
+        """True: the embedding backward yields a sparse gradient (only the rows looked up) that autograd
+        adds into a dense `embed_tokens.weight.grad` the caller allocated (the trainer does; see
+        `peagle.train.step`), instead of building a dense [V, H] gradient per backward."""
+        return self.embed_tokens.sparse
+
+    @sparse_embedding_grad.setter
+    def sparse_embedding_grad(self, value: bool) -> None:
+        self.embed_tokens.sparse = value
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -561,10 +355,11 @@ class PEagleDraft(nn.Module):
                 `is_masked` (`mask_hidden` is used there, through a `where` so it is always in the graph).
             is_masked: [B, N] bool, True at masked (depth >= 1) slots.
             position_ids: [B, N] int64 RoPE positions (anchor + depth).
-            attn_mask: dense bool [N, N] / [B, N, N] (True = visible; SDPA path), the same as an additive
-                float mask in the query dtype (faster: one mask for all layers), `QueryGroups` of such a
-                mask (built here from a dense mask when B = 1), or a flex `BlockMask`. With `kv.past`
-                the keys are the Nc carried context keys followed by the N own ones: `[N, Nc + N]`.
+            attn_mask: the mask, prepared by the caller for the backend it chose (`peagle.model.attention`)
+                and used as given: a dense bool [N, N] / [B, N, N] (True = visible) or additive float mask
+                in the query dtype (one SDPA call), a `DenseMask` (its depth-0 prefix as a separate call),
+                `QueryGroups` of such a mask (B = 1), or a flex `BlockMask`. With `kv.past` the keys are
+                the Nc carried context keys followed by the N own ones: `[N, Nc + N]`.
             kv: keys / values carried between the forwards of a partitioned row (`KVCarry`).
 
         Returns:
@@ -572,29 +367,23 @@ class PEagleDraft(nn.Module):
         """
         b, n = input_ids.shape
         h = self.config.hidden_size
-        ids = torch.where(is_masked, self.config.mask_token_id, input_ids)
-        emb = F.embedding(ids, self.embed_tokens.weight, sparse=self.sparse_embedding_grad)  # [B, N, H]
+        mask, prefix = (attn_mask.mask, attn_mask.prefix) if isinstance(attn_mask, DenseMask) else (attn_mask, 0)
+        emb = self.embed_tokens(torch.where(is_masked, self.config.mask_token_id, input_ids))  # [B, N, H]
         # fc only over the real (unmasked) slots; every masked slot gets fc(mask_hidden), which stays in
         # the graph even when there is no masked slot (zero gradient, never a missing one).
-        mask_proj = linear(self.mask_hidden, self.fc.weight).reshape(1, h)  # [1, H]
+        mask_proj = self.fc(self.mask_hidden).reshape(1, h)  # [1, H]
         real = torch.nonzero(~is_masked.reshape(-1)).reshape(-1)  # [R]
         feats = aux.reshape(b * n, -1).index_select(0, real).to(self.mask_hidden.dtype)  # [R, 3H]
-        proj = linear(feats, self.fc.weight)  # [R, H]
+        proj = self.fc(feats)  # [R, H]
         hid = mask_proj.to(proj.dtype).expand(b * n, h).index_copy(0, real, proj).view(b, n, h)  # [B, N, H]
         cos, sin = self.rotary_emb(hid, position_ids)  # [B, N, hd] each
-        prefix = 0
-        if isinstance(attn_mask, Tensor) and b == 1:  # dense mask: block-sparse SDPA by query groups
-            attn_mask = group_queries(attn_mask, position_ids) or attn_mask
-        if isinstance(attn_mask, Tensor) and (kv is None or kv.past is None):
-            # leading real slots (the depth-0 block of a COD row) let `attend` split the dense attention
-            prefix = int((is_masked.long().cumsum(-1) == 0).sum(-1).min())
         # every masked slot has the same first-layer input (mask token, mask_hidden): project it once
         masked = torch.nonzero(is_masked.reshape(-1)).reshape(-1)  # [B*N - R]
         shared = (real, masked[:1]) if masked.numel() else None
         x = hid
         for i, layer in enumerate(self.layers):
             lkv = kv.layer(i) if kv is not None else None
-            args = (emb, hid, cos, sin, attn_mask, prefix, shared, lkv) if i == 0 else (x, cos, sin, attn_mask, prefix, lkv)
+            args = (emb, hid, cos, sin, mask, prefix, shared, lkv) if i == 0 else (x, cos, sin, mask, prefix, lkv)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
@@ -628,137 +417,3 @@ def expected_state_keys(num_layers: int, *, compressed_vocab: bool) -> list[str]
     if compressed_vocab:
         keys += ["d2t", "t2d"]
     return sorted(keys)
-
-
-@torch.no_grad()
-def init_from_target(draft: PEagleDraft, target_model: nn.Module, t2d: Tensor | None) -> None:
-    """Copy the target's token embeddings and the draft-vocab rows of its lm_head; set d2t / t2d.
-
-    Args:
-        draft: the draft to initialise (in place).
-        target_model: an HF causal LM (`get_input_embeddings`, `get_output_embeddings`).
-        t2d: bool [V], True at the Vd draft-vocab target ids (sorted ascending by construction);
-            None when Vd == V.
-    """
-    cfg = draft.config
-    emb = target_model.get_input_embeddings().weight  # [V, H]
-    head = target_model.get_output_embeddings().weight  # [V, H]
-    if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise TargetLoadError(
-            f"target embedding is {tuple(emb.shape)}, the draft expects ({cfg.vocab_size}, {cfg.hidden_size})"
-        )
-    draft.embed_tokens.weight.copy_(emb.to(draft.embed_tokens.weight.dtype))
-    if t2d is None:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            raise TargetLoadError("draft.draft_vocab_size < vocab size needs a t2d mapping")
-        draft.lm_head.weight.copy_(head.to(draft.lm_head.weight.dtype))
-        return
-    t2d = t2d.to(torch.bool).cpu()
-    ids = torch.nonzero(t2d).flatten()  # [Vd] target ids, ascending
-    if t2d.numel() != cfg.vocab_size or ids.numel() != cfg.draft_vocab_size:
-        raise TargetLoadError(
-            f"t2d must be bool [{cfg.vocab_size}] with {cfg.draft_vocab_size} True entries, "
-            f"got [{t2d.numel()}] with {ids.numel()}"
-        )
-    draft.lm_head.weight.copy_(head[ids.to(head.device)].to(draft.lm_head.weight.dtype))
-    if draft.t2d is not None and draft.d2t is not None:
-        draft.t2d.copy_(t2d)
-        draft.d2t.copy_(ids - torch.arange(ids.numel()))
-
-
-def _decoder(target_model: nn.Module) -> nn.Module | None:
-    """The module holding the target's `layers` and final `norm` (HF: `model.model`), or None."""
-    for cand in (getattr(target_model, "model", None), target_model):
-        if cand is not None and isinstance(getattr(cand, "layers", None), nn.ModuleList):
-            return cand
-    return None
-
-
-@torch.no_grad()
-def _norm_scale(norm: nn.Module) -> Tensor | None:
-    """The per-channel scale an RMS norm applies (`norm(x) = scale * x / rms(x)`), read off its output, so
-    a Gemma-style `(1 + w)` norm gives `1 + w`; None when the module is not such a norm (LayerNorm, ...)."""
-    w = getattr(norm, "weight", None)
-    if not isinstance(w, Tensor) or w.dim() != 1:
-        return None
-    g = torch.Generator().manual_seed(0)
-    scales = []
-    for _ in range(2):
-        x = torch.randn(1, w.numel(), generator=g).to(device=w.device, dtype=w.dtype)
-        unit = x.float() / x.float().pow(2).mean(-1, keepdim=True).sqrt()
-        scales.append(norm(x).float()[0] / unit[0])
-    if not torch.allclose(scales[0], scales[1], rtol=2e-2, atol=2e-2):
-        return None
-    measured = (scales[0] + scales[1]) / 2
-    for exact in (w.float(), 1.0 + w.float()):  # the usual forms, copied exactly (no rounding noise)
-        if torch.allclose(measured, exact, rtol=2e-2, atol=2e-2):
-            return exact
-    return measured
-
-
-@torch.no_grad()
-def init_layers_from_target(draft: PEagleDraft, target_model: nn.Module) -> list[str]:
-    """Start the draft's decoder layers, `fc` and final `norm` from the target (spec `draft.layer_init`).
-
-    Draft layer i (of L) starts as the target's layer N - L + i: attention, MLP and norm weights are
-    copied where the shapes match; the fused first layer's q/k/v `[*, 2H]` get the target's `[*, H]`
-    weights in both halves (embedding and hidden) and its `hidden_norm` the target's `input_layernorm`.
-    `fc` `[H, 3H]` starts as `[0, 0, I]` (it passes on the last aux layer, the target's own
-    hidden state 3 layers from the top) and `norm` as the target's final norm, so the draft starts as a
-    target-shaped top of the stack reading the target's own features. On the demo (SmolLM2-135M, 240
-    steps) this raised AL from 1.225 to 1.266 (held-out tau_sim 0.299 -> 0.326) against random layers.
-    Norms are copied as the scale they apply (a Gemma-style `(1 + w)` norm gives `1 + w`; a LayerNorm is
-    skipped). Weights whose shapes do not match (MoE experts, biases, q/k norms) keep their random init.
-
-    Returns:
-        The names of the draft tensors that were copied.
-    """
-    base = _decoder(target_model)
-    if base is None:
-        return []
-    cfg = draft.config
-    h = cfg.hidden_size
-    src_layers = list(base.layers)
-    copied: list[str] = []
-
-    def put(name: str, dst: Tensor, src: Tensor | None) -> None:
-        if src is not None and tuple(src.shape) == tuple(dst.shape):
-            dst.copy_(src.to(dst.dtype))
-            copied.append(name)
-
-    def weight(module: nn.Module | None, path: str) -> Tensor | None:
-        for part in path.split("."):
-            module = getattr(module, part, None)
-            if module is None:
-                return None
-        if "norm" in path.rsplit(".", 1)[-1]:
-            return _norm_scale(module)
-        w = getattr(module, "weight", None)
-        return w if isinstance(w, Tensor) else None
-
-    offset = len(src_layers) - len(draft.layers)  # draft layer i <- target layer offset + i
-    for i, layer in enumerate(draft.layers if offset >= 0 else []):
-        src = src_layers[offset + i]
-        prefix = f"layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            dst = getattr(layer.self_attn, proj).weight
-            w = weight(src, f"self_attn.{proj}")
-            if i == 0 and w is not None and dst.shape[1] == 2 * h and tuple(w.shape) == (dst.shape[0], h):
-                dst[:, :h].copy_(w.to(dst.dtype))
-                dst[:, h:].copy_(w.to(dst.dtype))
-                copied.append(f"{prefix}self_attn.{proj}.weight")
-            else:
-                put(f"{prefix}self_attn.{proj}.weight", dst, w)
-        put(f"{prefix}self_attn.o_proj.weight", layer.self_attn.o_proj.weight, weight(src, "self_attn.o_proj"))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            put(f"{prefix}mlp.{proj}.weight", getattr(layer.mlp, proj).weight, weight(src, f"mlp.{proj}"))
-        put(f"{prefix}input_layernorm.weight", layer.input_layernorm.weight, weight(src, "input_layernorm"))
-        put(f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight,
-            weight(src, "post_attention_layernorm"))
-        if i == 0:
-            put(f"{prefix}hidden_norm.weight", layer.hidden_norm.weight, weight(src, "input_layernorm"))
-    put("norm.weight", draft.norm.weight, weight(base, "norm"))
-    draft.fc.weight.zero_()  # [H, 3H]
-    draft.fc.weight[:, 2 * h :].copy_(torch.eye(h, dtype=draft.fc.weight.dtype))
-    copied.append("fc.weight")
-    return copied

@@ -1,30 +1,34 @@
 """One micro-batch of P-EAGLE training: COD per row, sequence-partitioned forward+backward.
 
-Per micro-batch (peagle.md 1.12, decisions 5 and 9):
+Per micro-batch (docs/algorithm.md 1.12, docs/decisions.md decisions 5 and 9):
 
 1. each row draws its COD elements ONCE, from a `torch.Generator` seeded by (seed, epoch, index, row),
    so a resumed run and every segment see the same draw;
 2. ONE loss denominator for the micro-batch: the supervised elements of all its rows (all ranks);
-3. every row is split into S segments (`peagle.cod.rows.plan_segments`, the closed form of 1.12); each
+3. every row is split into S segments (`peagle.cod.rows.plan_segments`, the closed form of docs/algorithm.md 1.12); each
    segment ("unit") runs one forward (through `DraftObjective`, the module DDP wraps) and one backward of
    `loss_sum * scale`. Gradients add up to those of the flat forward (S = 1 is the single flat forward).
-   With S > 1 the depth-0 context is CARRIED instead of recomputed with grad (1.12 phase 3 as NeMo
-   does it keeps all T depth-0 elements' activations alive in the last segment, ~0.5x of S = 1 at K=8):
+   With S > 1 the depth-0 context is CARRIED instead of recomputed with grad (the recompute form of docs/algorithm.md 1.12, as NeMo
+   does it, keeps all T depth-0 elements' activations alive in the last segment, ~0.5x of S = 1 at K=8):
    one no-grad forward over the row's depth-0 elements (a causal prefix of every segment) records every
    layer's post-RoPE keys / values; the segments then run from the last one that owns a supervised
    element down to segment 0, each forwarding ONLY its owned elements, which attend to the context
    through those keys / values as leaf tensors. Each backward's gradient on the context keys / values
    is added into per-row buffers and injected into the keys / values of the depth-0 elements when the
-   segment that owns them runs (`peagle.model.draft.KVCarry`), so a segment that owns nothing supervised still
+   segment that owns them runs (`peagle.model.attention.KVCarry`), so a segment that owns nothing supervised still
    runs when later ones depended on it. Every element is forwarded with grad exactly once; exactness is
-   tested against S = 1 (decision 9). Forward-only (evaluation) units keep the recompute form and skip
+   tested against S = 1 (docs/decisions.md decision 9). Forward-only (evaluation) units keep the recompute form and skip
    segments that own nothing supervised;
 4. only the supervised elements of a unit go through the final norm, `lm_head` and the KL, fused in row
    chunks (`peagle.cod.loss.head_loss_sums`: no [m, Vd] tensor).
 
-CPU (dense) attention: each unit's mask is built once as an additive float mask and cut into
-`QueryGroups` (block-sparse SDPA) before the forward, so no [n, n] mask stays alive during it. The
-embedding gradient is a sparse COO tensor of the looked-up rows, coalesced after every backward
+Attention: `StepSettings.attention` (the backend the trainer chose once, `select_attention`) decides the
+form of every unit's mask, built once per unit before its forward, which uses it as given. SDPA (CPU):
+an additive float mask cut into `QueryGroups` (block-sparse SDPA), so no [n, n] mask stays alive during
+the forward, or, when grouping would not pay, kept whole with its depth-0 prefix (`DenseMask.split`);
+flex (CUDA): a `BlockMask`.
+
+The embedding gradient is a sparse COO tensor of the looked-up rows, coalesced after every backward
 (`sparse_embedding_grad`): no dense [V, H] gradient exists; `peagle.train.optim.RowLazyAdamW` and
 `clip_grad_norm` consume it as it is. With `StepSettings.release_memory` (the trainer sets it when
 `sequence_partitions > 1`), the CPU heap's free pages are returned to the OS after every unit's
@@ -43,7 +47,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import torch
 from torch import Tensor, nn
@@ -60,7 +64,8 @@ from peagle.cod.rows import (
     subset_row,
 )
 from peagle.cod.sampling import sample_cod
-from peagle.model.draft import KVCarry, PEagleDraft, group_queries
+from peagle.model.attention import AttentionBackend, AttnMask, KVCarry, group_queries, prepare_dense
+from peagle.model.draft import PEagleDraft
 
 __all__ = [
     "EVAL_EPOCH",
@@ -90,11 +95,14 @@ class StepSettings:
     max_anchors: int | None
     sequence_partitions: int
     mask_token_id: int
-    attention: str  # "sdpa" (dense bool mask) or "flex" (BlockMask)
+    attention: AttentionBackend  # SDPA (dense mask) or FLEX (BlockMask); a plain "sdpa" / "flex" is converted
     autocast_dtype: torch.dtype | None  # bf16 on CUDA, None = fp32
     seed: int
     # CPU: give the heap's free pages back to the OS after every unit's backward (`release_free_memory`)
     release_memory: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", AttentionBackend(self.attention))
 
 
 @dataclass
@@ -118,7 +126,7 @@ class UnitInputs:
     """Inputs of one forward (a segment of a row). A plain class so DDP passes it through untouched.
 
     Attributes:
-        input_ids, is_masked, position_ids: [1, n]; aux: [1, n, 3H]; attn_mask: dense bool [n, n] or BlockMask;
+        input_ids, is_masked, position_ids: [1, n]; aux: [1, n, 3H]; attn_mask: the prepared mask (`_unit_mask`);
         sel: [m] int64 indices of the charged (supervised, owned) elements; target: [T, Vd] target
         logits of the row (a view, not a copy); target_index: [m] int64 row of `target` of each
         charged element; weight: [m] float; depth: [m] int64.
@@ -131,7 +139,7 @@ class UnitInputs:
     aux: Tensor
     is_masked: Tensor
     position_ids: Tensor
-    attn_mask: Any
+    attn_mask: AttnMask
     sel: Tensor
     target: Tensor
     target_index: Tensor
@@ -203,27 +211,63 @@ def plan_rows(
     return rows
 
 
-def _unit_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[tuple[int, FlatRow]]:
-    """(row index, segment row) of every segment that owns at least one supervised element."""
+@dataclass(frozen=True)
+class SegmentUnit:
+    """A segment of a row forwarded whole, context included (S = 1, or forward-only evaluation)."""
+
+    b: int  # row index
+    sub: FlatRow  # the segment's input row (`segment_row`)
+
+
+@dataclass(frozen=True)
+class CarriedUnit:
+    """One segment of a partitioned row, run with carried context keys (`run_micro_batch`).
+
+    `sub` is the segment's input row (`segment_row`): its first `n_ctx` elements are the depth-0 context
+    of earlier segments (not owned), then its owned elements, the first `n_own_d0` of them at depth 0.
+    """
+
+    b: int
+    sub: FlatRow
+    n_ctx: int
+    n_own_d0: int
+    first: bool  # the first unit of its row: runs the row's context pass
+
+
+@dataclass(frozen=True)
+class DummyUnit:
+    """Nothing supervised on this rank: one zero-valued backward keeps DDP's collectives aligned."""
+
+
+Unit = SegmentUnit | CarriedUnit | DummyUnit
+
+
+def _unit_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[SegmentUnit]:
+    """Every segment that owns at least one supervised element."""
     out = []
     for b, row in enumerate(rows):
         for seg in plan_segments(row, seq_len, num_segments):
             sub = segment_row(row, seg)
             if bool((sub.weight > 0).any()):
-                out.append((b, sub))
+                out.append(SegmentUnit(b, sub))
     return out
 
 
-def _unit_mask(sub: FlatRow, settings: StepSettings, n_ctx: int = 0) -> Any:
-    """The attention mask of a unit whose queries are `sub`'s elements from `n_ctx` on: `[n - n_ctx, n]`."""
-    if settings.attention == "sdpa":
-        check_dense_fits(sub.num_elements)
-        # ONE additive float mask shared by every layer (and their backward): SDPA would otherwise turn
-        # the bool mask into a float copy per layer and keep each for backward
-        mask: Any = additive_mask(mask_for(sub)[n_ctx:], settings.autocast_dtype or torch.float32)
-        # cut into query groups here, so the full mask is freed before the forward
-        return group_queries(mask, sub.ref_pos[n_ctx:]) or mask
-    return block_mask_for(sub, query_offset=n_ctx)
+def _unit_mask(sub: FlatRow, settings: StepSettings, n_ctx: int = 0) -> AttnMask:
+    """The attention mask of a unit whose queries are `sub`'s elements from `n_ctx` on: `[n - n_ctx, n]`,
+    in the form the chosen backend runs it (the forward uses it as given)."""
+    if settings.attention == AttentionBackend.FLEX:
+        return block_mask_for(sub, query_offset=n_ctx)
+    check_dense_fits(sub.num_elements)
+    # ONE additive float mask shared by every layer (and their backward): SDPA would otherwise turn
+    # the bool mask into a float copy per layer and keep each for backward
+    mask = additive_mask(mask_for(sub)[n_ctx:], settings.autocast_dtype or torch.float32)
+    # cut into query groups here, so the full mask is freed before the forward
+    if n_ctx == 0:
+        return prepare_dense(mask, sub.ref_pos, sub.is_masked)
+    # with carried context the queries are not the first keys: query groups or the plain mask, no prefix
+    groups = group_queries(mask, sub.ref_pos[n_ctx:])
+    return groups if groups is not None else mask
 
 
 def _build_unit(
@@ -251,22 +295,7 @@ def _build_unit(
     )
 
 
-@dataclass(frozen=True)
-class _CarrySpec:
-    """One segment of a partitioned row, run with carried context keys (`run_micro_batch`).
-
-    `sub` is the segment's input row (`segment_row`): its first `n_ctx` elements are the depth-0 context
-    of earlier segments (not owned), then its owned elements, the first `n_own_d0` of them at depth 0.
-    """
-
-    b: int
-    sub: FlatRow
-    n_ctx: int
-    n_own_d0: int
-    first: bool  # the first unit of its row: runs the row's context pass
-
-
-def _carry_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[_CarrySpec]:
+def _carry_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[CarriedUnit]:
     """Per row, segments from the last one that owns a supervised element down to segment 0."""
     out = []
     for b, row in enumerate(rows):
@@ -282,7 +311,7 @@ def _carry_specs(rows: list[FlatRow], seq_len: int, num_segments: int) -> list[_
             if bool(seg.owned[:n_ctx].any()) or not bool(seg.owned[n_ctx:].all()):
                 raise RuntimeError("segment input is not [context ; owned]")  # plan_segments' order changed
             n_own_d0 = int((sub.depth[n_ctx:] == 0).sum())
-            out.append(_CarrySpec(b, sub, n_ctx, n_own_d0, first=s == last))
+            out.append(CarriedUnit(b, sub, n_ctx, n_own_d0, first=s == last))
     return out
 
 
@@ -304,7 +333,7 @@ def _context_pass(
 
 
 def _carry_inputs(
-    spec: _CarrySpec, keys: list[tuple[Tensor, Tensor]], grads: list[tuple[Tensor, Tensor]]
+    spec: CarriedUnit, keys: list[tuple[Tensor, Tensor]], grads: list[tuple[Tensor, Tensor]]
 ) -> KVCarry:
     nc, nd = spec.n_ctx, spec.n_own_d0
     past = [(k[:, :, :nc].detach().requires_grad_(), v[:, :, :nc].detach().requires_grad_()) for k, v in keys]
@@ -324,16 +353,17 @@ def _collect_carried(kv: KVCarry | None, grads: list[tuple[Tensor, Tensor]]) -> 
             gv[:, :, :n] += v.grad
 
 
-def _dummy_unit(draft: PEagleDraft, device: torch.device, attention: str) -> UnitInputs:
+def _dummy_unit(draft: PEagleDraft, device: torch.device, attention: AttentionBackend) -> UnitInputs:
     """One unsupervised element (weight 0): a zero-valued backward that touches every parameter."""
     cfg = draft.config
     pos = torch.zeros(1, 1, dtype=torch.long, device=device)
-    if attention == "sdpa":
-        mask: Any = torch.ones(1, 1, dtype=torch.bool, device=device)
-    else:
+    mask: AttnMask
+    if attention == AttentionBackend.FLEX:
         z = torch.zeros(1, dtype=torch.long, device=device)
         one = FlatRow(z, z, z, z, z.bool(), z.float(), z)
         mask = block_mask_for(one)
+    else:
+        mask = torch.ones(1, 1, dtype=torch.bool, device=device)
     return UnitInputs(
         input_ids=pos, aux=torch.zeros(1, 1, 3 * cfg.hidden_size, device=device),
         is_masked=torch.zeros(1, 1, dtype=torch.bool, device=device), position_ids=pos, attn_mask=mask,
@@ -436,31 +466,35 @@ def run_micro_batch(
     metrics = CodMetrics.zeros(settings.num_depths, device=device)
     backward = scale is not None
     carry = backward and settings.sequence_partitions > 1
-    units: list[Any] = (
+    units: list[Unit] = (
         list(_carry_specs(rows, seq_len, settings.sequence_partitions))
         if carry
         else list(_unit_specs(rows, seq_len, settings.sequence_partitions))
     )
     if backward and not units and sync:
-        units = [None]  # zero backward keeps DDP's collectives aligned
+        units = [DummyUnit()]  # zero backward keeps DDP's collectives aligned
     no_sync = getattr(objective, "no_sync", None)
     grads = sparse_embedding_grad(draft) if backward else contextlib.nullcontext()
     row_keys: list[tuple[Tensor, Tensor]] = []
     row_grads: list[tuple[Tensor, Tensor]] = []
     with grads:
         for i, spec in enumerate(units):
-            if spec is None:
-                unit = _dummy_unit(draft, device, settings.attention)
-            elif isinstance(spec, _CarrySpec):
-                if spec.first:  # a new row: its depth-0 context keys once, no grad
-                    tc = time.perf_counter()
-                    row_keys, row_grads = _context_pass(draft, batch, spec.b, rows[spec.b], settings)
-                    if times is not None:
-                        times.forward += time.perf_counter() - tc
-                unit = _build_unit(batch, spec.b, spec.sub, settings, spec.n_ctx,
-                                   _carry_inputs(spec, row_keys, row_grads))
-            else:
-                unit = _build_unit(batch, spec[0], spec[1], settings)
+            match spec:
+                case DummyUnit():
+                    unit = _dummy_unit(draft, device, settings.attention)
+                case CarriedUnit():
+                    if spec.first:  # a new row: its depth-0 context keys once, no grad
+                        tc = time.perf_counter()
+                        row_keys, row_grads = _context_pass(draft, batch, spec.b, rows[spec.b], settings)
+                        if times is not None:
+                            times.forward += time.perf_counter() - tc
+                    unit = _build_unit(batch, spec.b, spec.sub, settings, spec.n_ctx,
+                                       _carry_inputs(spec, row_keys, row_grads))
+                case SegmentUnit():
+                    unit = _build_unit(batch, spec.b, spec.sub, settings)
+                case _:
+                    assert_never(spec)
+            dummy = isinstance(spec, DummyUnit)
             last = i == len(units) - 1
             ctx = no_sync() if (no_sync is not None and backward and not (sync and last)) else contextlib.nullcontext()
             with ctx:
@@ -473,7 +507,7 @@ def run_micro_batch(
                 _sync(device)
                 t1 = time.perf_counter()
                 if backward:
-                    (loss_sum * (0.0 if spec is None else scale)).backward()
+                    (loss_sum * (0.0 if dummy else scale)).backward()
                     coalesce_embedding_grad(draft)
                     _collect_carried(unit.kv, row_grads)
                     _sync(device)
@@ -481,7 +515,7 @@ def run_micro_batch(
             if times is not None:
                 times.forward += t1 - t0
                 times.backward += t2 - t1
-            if spec is not None:
+            if not dummy:
                 metrics = metrics + m
             del unit
             if backward and settings.release_memory and device.type == "cpu":

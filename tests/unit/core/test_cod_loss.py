@@ -1,4 +1,4 @@
-"""KL loss and count-based COD metrics (peagle.md decision 5, section 1.11)."""
+"""KL loss and count-based COD metrics (docs/decisions.md decision 5, docs/algorithm.md 1.11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""COD visibility predicate: mask_mod cases of peagle.md section 7, dense == mask_mod, flex == SDPA."""
+"""COD visibility predicate: mask_mod cases of docs/algorithm.md 6, dense == mask_mod, flex == SDPA."""
 
 from __future__ import annotations
 

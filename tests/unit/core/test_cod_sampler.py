@@ -1,4 +1,4 @@
-"""COD sampler: parity with the reference sampler of peagle.md 1.7, section-7 cases, invariants."""
+"""COD sampler: parity with the reference sampler of docs/algorithm.md 1.7, the cases of docs/algorithm.md 6, invariants."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from peagle.cod.sampling import sample_cod
 
 
 def reference_cod(loss_mask: list[int], k: int, r: float, r_min: float) -> tuple[list[int], list[int]]:
-    """peagle.md 1.7, NeMo variant (position 0 filtered), one document, global RNG, plain Python."""
+    """docs/algorithm.md 1.7, NeMo variant (position 0 filtered), one document, global RNG, plain Python."""
     t = len(loss_mask)
     valid = [p for p in range(t) if loss_mask[p] == 1]
     valid_set = set(valid)

@@ -97,8 +97,8 @@ def test_grouped_attention_equals_one_dense_sdpa_call() -> None:
     from peagle.cod.mask import additive_mask
     from peagle.cod.rows import build_flat_row, mask_for
     from peagle.cod.sampling import sample_cod
+    from peagle.model.attention import group_queries
     from peagle.model.cpu_kernels import grouped_attention, uses_onednn
-    from peagle.model.draft import group_queries
 
     g = torch.Generator().manual_seed(3)
     t = 256

@@ -10,13 +10,9 @@ import torch
 from peagle.builtin import build_tiny_llama
 from peagle.cod.rows import block_mask_for, build_flat_row, mask_for
 from peagle.cod.sampling import sample_cod
-from peagle.model.draft import (
-    DraftConfig,
-    PEagleDraft,
-    expected_state_keys,
-    init_from_target,
-    select_attention,
-)
+from peagle.model.attention import select_attention
+from peagle.model.draft import DraftConfig, PEagleDraft, expected_state_keys
+from peagle.model.initialization import init_from_target
 
 V, VD, H = 256, 64, 32
 
@@ -116,7 +112,7 @@ def test_carried_context_keys_give_the_same_hidden_states(target: torch.nn.Modul
     (`KVCarry`: one no-grad pass over the depth-0 prefix) equal the forward over [context ; owned],
     with the dense (rectangular) mask and with flex (`block_mask_for(query_offset=...)`)."""
     from peagle.cod.rows import plan_segments, segment_row, subset_row
-    from peagle.model.draft import KVCarry
+    from peagle.model.attention import KVCarry
 
     draft, _ = _draft(target)
     row, aux = _flat(seed=3, t=32)
@@ -165,7 +161,7 @@ def test_query_groups_equal_one_dense_sdpa_call() -> None:
     import torch.nn.functional as F
 
     from peagle.cod.mask import additive_mask
-    from peagle.model.draft import QueryGroups, attend, group_queries
+    from peagle.model.attention import QueryGroups, attend, group_queries
 
     row, _ = _flat(seed=5, t=256)  # two documents + padding, K = 4: N well above GROUP_MIN_ELEMENTS
     n = row.num_elements
@@ -196,9 +192,9 @@ def test_query_groups_equal_one_dense_sdpa_call() -> None:
 def test_draft_gives_the_same_hidden_for_bool_additive_and_grouped_masks(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import peagle.model.draft as draft_mod
+    import peagle.model.attention as attention_mod
     from peagle.cod.mask import additive_mask
-    from peagle.model.draft import group_queries
+    from peagle.model.attention import DenseMask, group_queries
 
     draft, _ = _draft(target)
     row, aux = _flat(seed=6, t=256)
@@ -208,12 +204,39 @@ def test_draft_gives_the_same_hidden_for_bool_additive_and_grouped_masks(
     groups = group_queries(add, row.ref_pos, group_size=64)
     assert groups is not None
     with torch.no_grad():
-        outs = [draft(*args, m) for m in (bool_mask, bool_mask[None], add, groups)]  # grouped in forward
-        monkeypatch.setattr(draft_mod, "GROUP_MIN_ELEMENTS", 10**9)
+        prefixed = DenseMask.split(add, row.is_masked[None])
+        assert 0 < prefixed.prefix < row.num_elements  # the depth-0 block as its own SDPA call
+        outs = [draft(*args, m) for m in (bool_mask, bool_mask[None], add, groups, prefixed)]  # used as given
+        monkeypatch.setattr(attention_mod, "GROUP_MIN_ELEMENTS", 10**9)
         assert group_queries(add, row.ref_pos) is None
-        ref = draft(*args, bool_mask)  # one dense call (prefix split)
+        ref = draft(*args, bool_mask)  # one dense call
     for out in outs:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_projections_are_module_calls(target: torch.nn.Module) -> None:
+    """Every projection runs through its module, so forward hooks (and DDP / LoRA-style wrappers) see it:
+    the hooks fire, and an output a hook returns is the one the draft goes on with."""
+    draft, _ = _draft(target)
+    row, aux = _flat()
+    args = (row.input_ids[None], aux[None], row.is_masked[None], row.ref_pos[None], mask_for(row))
+    names = ["embed_tokens", "fc", "layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj",
+             "layers.0.mlp.gate_proj", "layers.1.self_attn.k_proj", "layers.2.self_attn.o_proj",
+             "layers.2.mlp.down_proj"]
+    seen: list[str] = []
+    handles = [draft.get_submodule(n).register_forward_hook(lambda _m, _a, _o, n=n: seen.append(n)) for n in names]
+    with torch.no_grad():
+        ref = draft(*args)
+    for handle in handles:
+        handle.remove()
+    assert set(seen) == set(names) and seen.count("fc") == 2  # fc: real slots and mask_hidden
+    handle = draft.layers[1].self_attn.q_proj.register_forward_hook(lambda _m, _a, out: out * 0.5)
+    with torch.no_grad():
+        hooked = draft(*args)
+    handle.remove()
+    assert not torch.allclose(hooked, ref)
+    with torch.no_grad():
+        torch.testing.assert_close(draft(*args), ref, rtol=0, atol=0)
 
 
 def test_masked_slots_projected_once_give_the_same_values_and_grads(
@@ -246,7 +269,7 @@ def test_masked_slots_projected_once_give_the_same_values_and_grads(
 def test_layers_start_from_the_target_when_asked(target: torch.nn.Module) -> None:
     """`init_layers_from_target`: draft layer i <- target layer N-L+i, the fused q/k/v in both halves,
     fc passes on the last aux layer, the final norm is the target's; nothing else changes."""
-    from peagle.model.draft import init_layers_from_target
+    from peagle.model.initialization import init_layers_from_target
 
     draft, _ = _draft(target, layers=1)
     before = {k: v.clone() for k, v in draft.state_dict().items()}
@@ -303,7 +326,7 @@ def test_the_run_draft_follows_the_spec_layer_init(target: torch.nn.Module) -> N
 
 
 def test_norms_are_copied_as_the_scale_they_apply() -> None:
-    from peagle.model.draft import _norm_scale
+    from peagle.model.initialization import _norm_scale
 
     class OnePlus(torch.nn.Module):  # Gemma-style RMSNorm: scale = 1 + w
         def __init__(self) -> None:

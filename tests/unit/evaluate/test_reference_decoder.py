@@ -32,7 +32,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def draft(target):
-    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target
 
     cfg = DraftConfig.from_target(target.config, num_layers=2, draft_vocab_size=64, mask_token_id=V - 1,
                                   aux_layer_ids=[1, 2, 3])  # fmt: skip
@@ -89,7 +90,8 @@ def _force(draft, greedy, n_right: int):
 
 
 def test_forced_draft_is_accepted_and_output_unchanged(target, greedy):
-    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target
 
     cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=None, mask_token_id=V - 1,
                                   aux_layer_ids=[1, 2, 3])  # fmt: skip

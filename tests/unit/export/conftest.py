@@ -28,7 +28,8 @@ def verifier_dir(tiny_target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_target):
-    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target
 
     cfg = DraftConfig.from_target(
         tiny_target.config, num_layers=LAYERS, draft_vocab_size=VD, mask_token_id=V - 1,

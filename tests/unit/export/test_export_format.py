@@ -1,4 +1,4 @@
-"""The speculators-format export: key names, dtypes, config rules, round trip (peagle.md 3.1, decision 10)."""
+"""The speculators-format export: key names, dtypes, config rules, round trip (docs/export.md 2.1, docs/decisions.md decision 10)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def test_round_trip_gives_the_same_logits(tiny_draft, export_dir):
 
 
 def test_full_vocab_export_has_no_mapping(tiny_target, tmp_path):
-    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target
 
     cfg = DraftConfig.from_target(tiny_target.config, num_layers=1, draft_vocab_size=None, mask_token_id=3,
                                   aux_layer_ids=[2, 4, 5])  # fmt: skip

@@ -1,4 +1,4 @@
-"""The validator catches every rule vLLM enforces and every pitfall of peagle.md 6.7/6.8, one message each."""
+"""The validator catches every rule vLLM enforces and every pitfall of docs/algorithm.md 5.7/5.8, one message each."""
 
 from __future__ import annotations
 

@@ -161,13 +161,20 @@ def _reference_loss_and_grads(draft: PEagleDraft, settings: StepSettings, batch:
 
 def test_fast_paths_equal_the_plain_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Query-grouped attention, fused lm_head + KL and the sparse (row) embedding gradient change no number."""
-    import peagle.model.draft as draft_mod
+    import peagle.model.attention as attention_mod
 
-    monkeypatch.setattr(draft_mod, "GROUP_MIN_ELEMENTS", 16)  # tiny rows: group them too
-    monkeypatch.setattr(draft_mod, "GROUP_QUERIES", 16)
+    monkeypatch.setattr(attention_mod, "GROUP_MIN_ELEMENTS", 16)  # tiny rows: group them too
+    monkeypatch.setattr(attention_mod, "GROUP_QUERIES", 16)
     grouped = []
-    real_group = step_mod.group_queries
-    monkeypatch.setattr(step_mod, "group_queries", lambda *a, **k: grouped.append(real_group(*a, **k)) or grouped[-1])
+    real_group = attention_mod.group_queries
+
+    def spy(*a, **k):
+        grouped.append(real_group(*a, **k))
+        return grouped[-1]
+
+    # units without carried context group through `prepare_dense`, carried ones in the step itself
+    monkeypatch.setattr(attention_mod, "group_queries", spy)
+    monkeypatch.setattr(step_mod, "group_queries", spy)
     draft = tiny_draft()
     batch = tiny_source(seq_len=48).batch(0, 2)
     ref_loss, ref_grads = _reference_loss_and_grads(draft, _settings(1), batch)
@@ -222,7 +229,7 @@ def test_partitioned_units_keep_only_their_own_rows() -> None:
 
 
 def test_inject_grad_adds_to_the_leading_rows() -> None:
-    from peagle.model.draft import _InjectGrad
+    from peagle.model.attention import _InjectGrad
 
     x = torch.randn(1, 2, 5, 3, requires_grad=True)
     g = torch.randn(1, 2, 2, 3)

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from peagle.builtin import build_tiny_llama
-from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
+from peagle.model.draft import DraftConfig, PEagleDraft
+from peagle.model.initialization import init_from_target
 from peagle.spec import TrainSpec, parse_spec
 from peagle.train.batch import SyntheticBatchSource
 
