@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from anyio import to_thread
 
+from service.channels import LIVE_PATTERN, job_of_channel, parse_wake
 from service.db import repo, states
 from service.db.models import Job
 
@@ -129,12 +129,13 @@ class LiveHub:
         while True:
             try:
                 pubsub = self.redis.pubsub()
-                await pubsub.psubscribe("peagle:job:*")
+                await pubsub.psubscribe(LIVE_PATTERN)
                 async for msg in pubsub.listen():
                     if msg.get("type") != "pmessage":
                         continue
-                    channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
-                    job_id = channel.rsplit(":", 1)[-1]
+                    job_id = job_of_channel(msg["channel"])
+                    if job_id is None:
+                        continue
                     for kind in repo.ROW_MODELS:
                         tail = self.tails.get((job_id, kind))
                         if tail is not None:
@@ -209,5 +210,5 @@ class LiveHub:
 
 
 def wake_message(payload: bytes | str) -> dict[str, Any]:
-    """Decode a live-channel message (`{"job_id", "event_seq", "metric_seq", "log_seq", "status"}`)."""
-    return json.loads(payload)
+    """Decode a live-channel message (`service.channels.wake_payload`)."""
+    return parse_wake(payload)

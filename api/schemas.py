@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -18,6 +19,7 @@ __all__ = [
     "JobOut",
     "JobSummary",
     "Page",
+    "job_public",
 ]
 
 
@@ -125,6 +127,40 @@ class JobOut(JobSummary):
     queue_position: int | None = Field(default=None, description="Queued jobs ahead of this one.")
 
 
+def job_public(job: Any, *, full: bool = True, queue_position: int | None = None) -> dict[str, Any]:
+    """The one builder of a job's public shape: `JobOut` (`full`), else `JobSummary` (a list row).
+
+    `job` is a `Job` row or a mapping of its columns (a list row holds `repo.SUMMARY_COLUMNS` only).
+    Plain dicts, not models: create/get/list answer through `json_ok` without a second validation pass,
+    so tests/api/test_job_shape.py validates every route's answer against `JobOut`/`JobSummary`.
+    """
+    g: Any = job.__getitem__ if isinstance(job, Mapping) else job.__getattribute__
+    job_id = g("id")
+    best, latest = g("best_checkpoint_step"), g("latest_checkpoint_step")
+    code = g("error_code")
+    out: dict[str, Any] = {
+        "id": job_id, "object": "job", "name": g("name"), "tags": g("tags") or [], "status": g("status"),
+        "phase": g("phase"), "desired_state": g("desired_state"), "progress": g("progress") or {},
+        "attempt": g("attempt"), "queue": g("queue"),
+        "error": None if code is None else {
+            "code": code, "message": g("error_message"), "retryable": g("error_retryable")},
+        "best_checkpoint_step": best, "latest_checkpoint_step": latest,
+        "created_at": g("created_at"), "queued_at": g("queued_at"), "started_at": g("started_at"),
+        "finished_at": g("finished_at"), "updated_at": g("updated_at"),
+    }
+    if full:
+        base = f"/v1/jobs/{job_id}/checkpoints/"
+        out.update(
+            max_restarts=g("max_restarts"), spec=g("spec"), resolved_spec=g("resolved_spec"),
+            provenance=g("provenance"),
+            best_checkpoint=None if best is None else {"step": best, "url": f"{base}{best}"},
+            latest_checkpoint=None if latest is None else {"step": latest, "url": f"{base}{latest}"},
+            event_seq=g("event_seq"), metric_seq=g("metric_seq"), log_seq=g("log_seq"),
+            queue_position=queue_position,
+        )
+    return out
+
+
 class Page(BaseModel):
     """A cursor page: pass `next_after` as `after` to get the next one."""
 
@@ -135,7 +171,7 @@ class Page(BaseModel):
 
 
 class JobPage(Page):
-    data: list[JobSummary]  # type: ignore[assignment]
+    data: list[JobSummary]
 
 
 class JobListParams(BaseModel):
@@ -183,15 +219,15 @@ class LogOut(_Out):
 
 
 class EventPage(Page):
-    data: list[EventOut]  # type: ignore[assignment]
+    data: list[EventOut]
 
 
 class LogPage(Page):
-    data: list[LogOut]  # type: ignore[assignment]
+    data: list[LogOut]
 
 
 class MetricPage(Page):
-    data: list[MetricOut]  # type: ignore[assignment]
+    data: list[MetricOut]
     downsampled: bool = Field(default=False, description="True when max_points thinned the series.")
     total_points: int = Field(default=0, description="Points in the range before downsampling.")
 
@@ -260,7 +296,22 @@ class DatasetOut(_Out):
 
 
 class DatasetPage(Page):
-    data: list[DatasetOut]  # type: ignore[assignment]
+    data: list[DatasetOut]
+
+
+class MetaOut(BaseModel):
+    """What the dashboard needs to know about jobs, from their single sources (states, phases, spec)."""
+
+    object: Literal["meta"] = "meta"
+    states: list[str] = Field(description="Every job status, in lifecycle order.")
+    terminal_states: list[str] = Field(description="Statuses a job never leaves.")
+    actions_by_state: dict[str, list[str]] = Field(
+        description="The actions that change a job in each status (`clone` in every status).")
+    phases: list[str] = Field(description="Phases of a run, in order.")
+    enums: dict[str, list[Any]] = Field(
+        description="Allowed values of each enumerated spec field, by JSON pointer (`*` = any array index).")
+    suggestions: dict[str, list[str]] = Field(description="Built-in values offered for free-text spec fields.")
+    metric_keys: dict[str, str] = Field(description="Named metric keys and key prefixes (`acc_`, `eval_`, ...).")
 
 
 class SessionCreate(BaseModel):
@@ -328,7 +379,7 @@ class WebhookCreated(WebhookOut):
 
 
 class WebhookPage(Page):
-    data: list[WebhookOut]  # type: ignore[assignment]
+    data: list[WebhookOut]
 
 
 class DeliveryOut(BaseModel):
@@ -348,4 +399,11 @@ class DeliveryOut(BaseModel):
 
 
 class DeliveryPage(Page):
-    data: list[DeliveryOut]  # type: ignore[assignment]
+    data: list[DeliveryOut]
+
+
+class Readiness(BaseModel):
+    """`GET /readyz`: each dependency's check (200 when all pass, else 503)."""
+
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, bool] = Field(description="`database`, `broker` and (when configured) `redis`.")

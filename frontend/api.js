@@ -99,11 +99,24 @@ export function openStream(path, h) {
   return { close: () => es.close() };
 }
 
-/** Job actions allowed in each state (mirrors service/db/states.py; the API still decides). */
-export const ALLOWED = {
-  cancel: ["queued", "running", "pausing", "paused"],
-  pause: ["queued", "running"],
-  resume: ["paused"],
-  clone: ["queued", "running", "pausing", "paused", "cancelling", "cancelled", "succeeded", "failed"],
-};
-export const TERMINAL = ["succeeded", "failed", "cancelled"];
+let metaPromise = null;
+
+/**
+ * What the API says about jobs, from its single sources (GET /v1/meta; fetched once per page):
+ * `{states, terminal_states, actions_by_state, phases, enums, suggestions, metric_keys}`.
+ * @returns {Promise<any>}
+ */
+export function loadMeta() {
+  if (!metaPromise) metaPromise = api("/v1/meta", { redirect401: false }).catch((e) => { metaPromise = null; throw e; });
+  return metaPromise;
+}
+
+/** Whether `action` changes a job in `status` (the API's state machine; the API still decides). */
+export function actionAllowed(meta, action, status) {
+  return (meta.actions_by_state[status] || []).includes(action);
+}
+
+/** Whether `status` is terminal. */
+export function isTerminal(meta, status) {
+  return meta.terminal_states.includes(status);
+}

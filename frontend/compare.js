@@ -1,5 +1,5 @@
 // Compare page: 2-4 jobs; overlaid curves, per-depth accuracy and AL side by side, config diff.
-import { api, listAll, TERMINAL } from "./api.js";
+import { api, isTerminal, listAll, loadMeta } from "./api.js";
 import { LineChart, linesFor, MetricStore, PALETTE } from "./charts.js";
 import { define, label } from "./metrics.js";
 import { $, fmtNum, h, mountTopbar, showError, statusChip } from "./ui.js";
@@ -142,8 +142,9 @@ function renderDiff() {
 }
 
 async function load() {
+  let meta;
   try {
-    runs = await Promise.all(ids.map(loadRun));
+    [runs, meta] = await Promise.all([Promise.all(ids.map(loadRun)), loadMeta()]);
   } catch (e) {
     showError(box, e);
     return;
@@ -153,7 +154,7 @@ async function load() {
   box.replaceChildren(renderHeader(), renderCharts(), h("div", { style: { height: "14px" } }), renderSideBySide(), renderDiff());
   drawCharts();
   box.dataset.ready = "1";
-  if (runs.some((r) => !TERMINAL.includes(r.job.status))) setTimeout(load, 15000);
+  if (runs.some((r) => !isTerminal(meta, r.job.status))) setTimeout(load, 15000);
 }
 
 buildPicker();

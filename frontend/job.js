@@ -1,5 +1,5 @@
 // Job page: header + actions, phase timeline, live charts, logs, events, checkpoints.
-import { ALLOWED, api, openStream, TERMINAL } from "./api.js";
+import { actionAllowed, api, isTerminal, loadMeta, openStream } from "./api.js";
 import { LineChart, linesFor, MetricStore, PALETTE, throttle } from "./charts.js";
 import { renderCheckpoints } from "./checkpoints.js";
 import { CHARTS } from "./metrics.js";
@@ -8,7 +8,8 @@ import { $, confirmDialog, fmtAgo, fmtDuration, fmtTime, h, mountTopbar, progres
 mountTopbar("jobs");
 
 const jobId = new URLSearchParams(location.search).get("id");
-const PHASES = ["validating", "preparing_data", "building_vocab", "capturing", "training", "evaluating", "exporting", "serve_check", "done"];
+const META = await loadMeta(); // states, allowed actions and phases: the API's single sources
+const PHASES = META.phases;
 const MAX_POINTS = 2000;
 const TAIL_POINTS = 1000;
 let historyLoading = null;
@@ -35,7 +36,7 @@ const ACTIONS = [
 function renderHead() {
   const j = job;
   const buttons = ACTIONS.map(([act, text, question]) => {
-    const allowed = ALLOWED[act].includes(j.status);
+    const allowed = actionAllowed(META, act, j.status);
     return h("button", {
       type: "button", class: act === "cancel" ? "danger" : null, disabled: !allowed,
       "aria-label": `${text} job`, title: allowed ? question : `Not possible while ${j.status}`,
@@ -94,7 +95,7 @@ function renderTimeline() {
   $("#timeline").replaceChildren(...PHASES.map((ph, i) => {
     let cls = "";
     if (job.status === "succeeded" || (curIdx >= 0 && i < curIdx)) cls = "done";
-    else if (i === curIdx) cls = job.status === "failed" ? "failed" : TERMINAL.includes(job.status) ? "" : "current";
+    else if (i === curIdx) cls = job.status === "failed" ? "failed" : isTerminal(META, job.status) ? "" : "current";
     const skipped = cls === "done" && ph !== "done" && !(ph in firstSeen) && i < lastSeenIdx;
     if (skipped) cls = "skipped";
     const when = skipped ? "skipped" : firstSeen[ph] ? fmtTime(firstSeen[ph]) : "\u00a0";
@@ -265,7 +266,7 @@ async function refreshJob() {
   } catch (e) {
     if (!job) throw e;
   }
-  if (!TERMINAL.includes(job.status)) jobTimer = setTimeout(refreshJob, document.hidden ? 15000 : 3000);
+  if (!isTerminal(META, job.status)) jobTimer = setTimeout(refreshJob, document.hidden ? 15000 : 3000);
 }
 const refreshJobSoon = throttle(refreshJob, 1000);
 

@@ -1,17 +1,18 @@
 // New-job page: presets, a form for the common fields, a raw JSON editor for every field, inline
 // validation errors from the API's 422 (JSON pointers), a dry-run estimate, and dataset upload.
-import { api } from "./api.js";
+import { api, loadMeta } from "./api.js";
 import { $, fmtBytes, fmtDuration, fmtNum, h, mountTopbar, showError, toast } from "./ui.js";
 
 mountTopbar("new");
 
-// [JSON pointer, label, kind, options]
+// [JSON pointer, label, kind]; the options of selects and the suggestions of text fields come from
+// GET /v1/meta (the spec's own enums and built-in names).
 const FIELDS = [
   ["/name", "Name", "text"],
   ["/tags", "Tags (comma separated)", "tags"],
-  ["/target/model", "Target model", "text", ["builtin:smollm2-135m-instruct", "builtin:tiny-llama"]],
-  ["/target/dtype", "Target dtype", "select", ["auto", "float32", "bfloat16", "float16"]],
-  ["/data/sources/0/path", "Training data", "text", ["builtin:sharegpt"]],
+  ["/target/model", "Target model", "text"],
+  ["/target/dtype", "Target dtype", "select"],
+  ["/data/sources/0/path", "Training data", "text"],
   ["/data/sources/0/max_samples", "Max samples (source)", "int"],
   ["/data/max_length", "Max tokens per conversation", "int"],
   ["/data/eval_samples", "Held-out conversations", "int"],
@@ -25,13 +26,14 @@ const FIELDS = [
   ["/optim/max_steps", "Max steps", "int"],
   ["/optim/pack_length", "Pack length (tokens)", "int"],
   ["/checkpoints/every_steps", "Checkpoint every (steps)", "int"],
-  ["/checkpoints/select_best_by", "Best checkpoint by", "select", ["tau_sim", "acceptance_length", "loss"]],
-  ["/resources/device", "Device", "select", ["auto", "cpu", "cuda"]],
+  ["/checkpoints/select_best_by", "Best checkpoint by", "select"],
+  ["/resources/device", "Device", "select"],
   ["/resources/gpus", "GPUs", "int"],
 ];
 
 let spec = {};
 let schema = null;
+let meta = { enums: {}, suggestions: {} };
 const inputs = new Map(); // pointer -> {input, wrap, err}
 const raw = $("#raw");
 const rawError = $("#raw-error");
@@ -78,12 +80,14 @@ function schemaAt(ptr) {
 // ---- form ----
 function buildForm() {
   const groups = new Map();
-  for (const [ptr, labelText, kind, opts] of FIELDS) {
+  for (const [ptr, labelText, kind] of FIELDS) {
     const section = parts(ptr)[0];
     const group = ["name", "tags"].includes(section) ? "job" : section;
     if (!groups.has(group)) groups.set(group, []);
     const id = "f" + ptr.replace(/[^a-z0-9]/gi, "_");
     const node = schemaAt(ptr) || {};
+    const key = ptr.replace(/\/\d+(?=\/|$)/g, "/*"); // meta keys name array items `*`
+    const opts = kind === "select" ? meta.enums[key] || node.enum || [] : meta.suggestions[key] || null;
     const desc = node.description || "";
     let input;
     if (kind === "select") {
@@ -300,6 +304,7 @@ $("#upload").addEventListener("submit", async (ev) => {
 // ---- start ----
 async function start() {
   try { schema = await api("/v1/spec/schema"); } catch { schema = null; }
+  try { meta = await loadMeta(); } catch { /* the form still works without options */ }
   buildForm();
   await buildPresets();
   const from = new URLSearchParams(location.search).get("from");

@@ -10,12 +10,14 @@ for both (`<broker_folder>/queue`), so the configuration is identical on both si
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from service.settings import Settings
 
-__all__ = ["TRAIN_TASK", "Producer", "celery_config", "make_producer"]
+__all__ = ["DELIVERY", "TRAIN_TASK", "WORKER_ONLY", "Producer", "celery_config", "make_producer", "task_options",
+           "worker_argv", "worker_config"]
 
 TRAIN_TASK = "peagle.train"
 
@@ -26,19 +28,43 @@ def broker_folders(settings: Settings) -> dict[str, Path]:
     return {"queue": root / "queue", "processed": root / "processed", "control": root / "control"}
 
 
+#: How messages are delivered, for multi-hour GPU jobs: the one definition, applied by `celery_config` to
+#: both sides, by `task_options` to the `peagle.train` task and by `worker_argv` to the worker's command
+#: line. Late acks with prefetch 1: a training worker holds its one unacknowledged message, so it never
+#: reserves a second job while another worker sits idle. A lost worker's message is not re-run
+#: (`task_reject_on_worker_lost=False`, a 7-day Redis visibility timeout): the reaper requeues through the
+#: database lease, and a duplicate message is harmless (`claim_job` takes only a queued job).
+DELIVERY: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": False,
+    "task_ignore_result": True,
+    "task_serializer": "json",
+    "accept_content": ["json"],
+    "task_create_missing_queues": False,
+    "worker_prefetch_multiplier": 1,
+    "worker_max_tasks_per_child": 1,  # each job gets a fresh process: no CUDA context or leaked memory carried over
+}
+#: What only a consuming worker sets: one prefork child per GPU (group), a broker that may come and go.
+WORKER_ONLY: dict[str, Any] = {
+    "worker_pool": "prefork",
+    "worker_concurrency": 1,
+    "worker_cancel_long_running_tasks_on_connection_loss": False,
+    "broker_connection_retry": True,
+    "broker_connection_max_retries": None,
+    "worker_send_task_events": False,
+}
+REDIS_VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
+#: kombu's Redis transport keeps a queue's messages in one list per priority step (`queue`, `queue\x06\x163`, ...).
+_REDIS_PRIORITY_SEP, _REDIS_PRIORITY_STEPS = "\x06\x16", (0, 3, 6, 9)
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings for both sides (`app.conf.update(celery_config(settings))`)."""
     broker = settings.resolved_broker_url()
     conf: dict[str, Any] = {
         "broker_url": broker,
         "result_backend": None,
-        "task_ignore_result": True,
-        "task_acks_late": True,  # a busy worker holds its message: no second job reserved
-        "task_serializer": "json",
-        "accept_content": ["json"],
-        "worker_prefetch_multiplier": 1,
-        "worker_max_tasks_per_child": 1,
-        "task_create_missing_queues": False,
+        **DELIVERY,
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": False,
     }
@@ -55,8 +81,29 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         }
     elif broker.startswith(("redis://", "rediss://")):
         # Long GPU jobs: never redeliver (the reaper requeues via the database instead).
-        conf["broker_transport_options"] = {"visibility_timeout": 7 * 24 * 3600}
+        conf["broker_transport_options"] = {"visibility_timeout": REDIS_VISIBILITY_TIMEOUT_S}
     return conf
+
+
+def worker_config(settings: Settings, queues: list[str]) -> dict[str, Any]:
+    """The consuming worker's settings: `celery_config` plus `WORKER_ONLY` and its explicit queues."""
+    from kombu import Queue
+
+    return {**celery_config(settings), **WORKER_ONLY,
+            "task_queues": [Queue(n, routing_key=n) for n in queues], "task_default_queue": queues[0]}
+
+
+def task_options() -> dict[str, Any]:
+    """Options of the `peagle.train` task decorator (the same delivery as `DELIVERY`)."""
+    return {"acks_late": DELIVERY["task_acks_late"], "reject_on_worker_lost": DELIVERY["task_reject_on_worker_lost"],
+            "ignore_result": DELIVERY["task_ignore_result"]}
+
+
+def worker_argv() -> list[str]:
+    """The delivery options on `celery worker`'s command line (it overrides the app's configuration)."""
+    return [f"--pool={WORKER_ONLY['worker_pool']}", f"--concurrency={WORKER_ONLY['worker_concurrency']}",
+            f"--prefetch-multiplier={DELIVERY['worker_prefetch_multiplier']}",
+            f"--max-tasks-per-child={DELIVERY['worker_max_tasks_per_child']}"]
 
 
 class Producer:
@@ -86,6 +133,26 @@ class Producer:
         result = self.app.send_task(TRAIN_TASK, args=[job_id], queue=queue, routing_key=queue, task_id=task_id)
         return str(result.id)
 
+    def waiting_task_ids(self, queue: str) -> set[str] | None:
+        """Task ids of the messages waiting in the broker on `queue` (not yet taken by a worker); None when
+        this broker cannot be listed. The reaper re-sends a queued job whose message is not there."""
+        broker = self.settings.resolved_broker_url()
+        if broker.startswith("filesystem://"):
+            folder = broker_folders(self.settings)["queue"]
+            bodies: list[bytes | str] = [p.read_bytes() for p in folder.glob(f"*.{queue}.msg")]
+        elif broker.startswith(("redis://", "rediss://")):
+            import redis
+
+            client = redis.Redis.from_url(broker, socket_timeout=10, socket_connect_timeout=5)
+            try:
+                keys = [queue if p == 0 else f"{queue}{_REDIS_PRIORITY_SEP}{p}" for p in _REDIS_PRIORITY_STEPS]
+                bodies = [b for key in keys for b in client.lrange(key, 0, -1)]
+            finally:
+                client.close()
+        else:
+            return None
+        return {tid for body in bodies if (tid := _task_id(body)) is not None}
+
     def ping(self, timeout: float = 2.0) -> bool:
         """True if the broker is reachable (filesystem: folders writable; others: a connection)."""
         broker = self.settings.resolved_broker_url()
@@ -108,6 +175,16 @@ class Producer:
     def close(self) -> None:
         """Release broker connections."""
         self.app.close()
+
+
+def _task_id(body: bytes | str) -> str | None:
+    """The task id in the headers of one kombu message body (None for anything else)."""
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        return None
+    tid = (msg.get("headers") or {}).get("id") if isinstance(msg, dict) else None
+    return str(tid) if tid else None
 
 
 def make_producer(settings: Settings) -> Producer:

@@ -10,8 +10,13 @@ Configured for multi-hour GPU work (Celery docs, "Optimizing" and "Tasks"):
   `visibility_timeout` keep the broker from re-running work; crash recovery is the reaper's job, through
   the database lease;
 - explicit queues per GPU kind (`settings.worker_queue`, comma-separated), `task_create_missing_queues=False`;
-- the parent never touches CUDA: nothing here imports torch; the trainer is a child process.
-The broker settings come from `service.queue.celery_config` so the API and the worker agree on them.
+- the parent never touches CUDA: nothing here imports torch; the trainer is a child process;
+- SIGTERM to the worker (`docker compose stop`) is a warm shutdown that does not wait for a multi-hour job:
+  `stop_running_jobs` sends SIGTERM to each pool process running a task; its supervisor signals the
+  trainer's process group, the trainer saves a checkpoint and exits 75, and the job is requeued
+  (attempt + 1) within `shutdown_grace_seconds` (SIGKILL to the trainer after that; requeued all the same).
+Every delivery setting comes from `service.queue` (`DELIVERY`, `WORKER_ONLY`, `worker_config`,
+`worker_argv`), so the API, the worker app, the task and the command line agree on them.
 """
 
 from __future__ import annotations
@@ -26,14 +31,13 @@ import socket
 import subprocess
 import sys
 
-from celery import Celery
-from kombu.entity import Queue
+from celery import Celery, signals
 
-from service.queue import celery_config
+from service.queue import worker_argv, worker_config
 from service.settings import Settings, get_settings
 from worker.tasks import register_tasks
 
-__all__ = ["main", "make_celery", "queue_names", "start_reaper"]
+__all__ = ["main", "make_celery", "queue_names", "start_reaper", "stop_running_jobs"]
 
 
 def queue_names(settings: Settings, override: str | None = None) -> list[str]:
@@ -48,25 +52,24 @@ def make_celery(settings: Settings, *, queues: list[str] | None = None) -> Celer
     """A Celery app consuming `queues` (default from settings) with the `peagle.train` task registered."""
     names = queues or queue_names(settings)
     app = Celery("peagle-worker", set_as_current=False)
-    app.conf.update(celery_config(settings))
-    app.conf.update(
-        task_queues=[Queue(n, routing_key=n) for n in names],  # type: ignore[no-untyped-call]
-        task_default_queue=names[0],
-        task_create_missing_queues=False,
-        worker_pool="prefork",
-        worker_concurrency=1,
-        worker_prefetch_multiplier=1,
-        worker_max_tasks_per_child=1,
-        task_acks_late=True,
-        task_reject_on_worker_lost=False,
-        worker_cancel_long_running_tasks_on_connection_loss=False,
-        broker_connection_retry=True,
-        broker_connection_max_retries=None,
-        worker_send_task_events=False,
-        task_ignore_result=True,
-    )
+    app.conf.update(worker_config(settings, names))
     register_tasks(app, settings)
     return app
+
+
+def stop_running_jobs(sender: object = None, how: str = "Warm", **_: object) -> list[int]:
+    """On a warm shutdown of this worker (Celery's `worker_shutting_down`, in the main process): SIGTERM each
+    pool process that runs a task, so its supervisor checkpoints the trainer and requeues the job instead
+    of Celery waiting for the job to end. Returns the pids signalled."""
+    from celery.worker import state
+
+    pids = sorted({int(r.worker_pid) for r in list(state.active_requests) if r.worker_pid})
+    if how != "Warm":
+        return []  # a cold shutdown terminates the pool itself
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    return pids
 
 
 def _die_with_parent() -> None:  # runs in the reaper child between fork and exec
@@ -102,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.no_reaper:
         start_reaper(settings, names)
+    signals.worker_shutting_down.connect(stop_running_jobs, weak=False)
     hostname = args.hostname or f"peagle-{names[0]}@{socket.gethostname()}-{os.getpid()}"
     app.worker_main(argv=[
         "worker", f"--loglevel={settings.log_level.upper()}", f"--queues={','.join(names)}",
-        f"--hostname={hostname}", "--pool=prefork", "--concurrency=1", "--prefetch-multiplier=1",
-        "--max-tasks-per-child=1", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        f"--hostname={hostname}", *worker_argv(), "--without-gossip", "--without-mingle", "--without-heartbeat",
     ])
     return 0
 

@@ -12,14 +12,14 @@ import logging
 import time
 from typing import Any
 
+from service.channels import live_channel, wake_payload
+
 __all__ = ["Publisher", "channel"]
 
+#: The live channel name (`service.channels.live_channel`), under the name this module always exported.
+channel = live_channel
+
 log = logging.getLogger(__name__)
-
-
-def channel(job_id: str) -> str:
-    """Redis channel of a job's wake-ups."""
-    return f"peagle:job:{job_id}"
 
 
 class Publisher:
@@ -40,8 +40,7 @@ class Publisher:
 
     def publish(self, job_id: str, seqs: tuple[int, int, int], status: str) -> bool:
         """Publish `{"job_id", "event_seq", "metric_seq", "log_seq", "status"}`; False if Redis is down."""
-        self._last = {"job_id": job_id, "event_seq": seqs[0], "metric_seq": seqs[1], "log_seq": seqs[2],
-                      "status": status}
+        self._last = wake_payload(job_id, seqs, status)
         return self._send(job_id)
 
     def publish_status(self, job_id: str, status: str) -> bool:

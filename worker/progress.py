@@ -1,6 +1,6 @@
 """Turn the trainer's JSON-lines progress stream into database batches (`service.db.lease.Batch`).
 
-The trainer prints one JSON object per line (`common.md`, "Progress stream"): metrics, events (phase,
+The trainer prints one JSON object per line (docs/progress.md): metrics, events (phase,
 progress, checkpoint, eval, warning, resumed, export, error) and logs. `ProgressCollector.add` files each
 record into the pending batch; `take()` hands the batch over and starts a new one. Progress events update
 only the job row (one value, not a history); every other event becomes a `job_event` row.
@@ -14,11 +14,22 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from peagle.spec.metrics import (
+    ACCEPTANCE_LENGTH,
+    LOSS,
+    PER_POSITION,
+    TAU_SIM,
+    al_pos_values,
+    eval_key,
+    is_measured_al_key,
+)
 from service.db.lease import Batch
 
 __all__ = ["ProgressCollector", "parse_line"]
 
 _MAX_MESSAGE = 8000
+#: The numbers an eval event's default message shows.
+_EVAL_SUMMARY = (eval_key(LOSS), eval_key(TAU_SIM), TAU_SIM, ACCEPTANCE_LENGTH)
 
 
 def parse_line(line: str) -> dict[str, Any] | None:
@@ -52,9 +63,9 @@ def _finite_values(values: Any) -> dict[str, float]:
 def _eval_values(metrics: dict[str, Any]) -> dict[str, float]:
     """An eval record's finite numbers, with its `per_position` list spread into `al_pos_{k}` keys."""
     values = _finite_values(metrics)
-    per_pos = metrics.get("per_position")
+    per_pos = metrics.get(PER_POSITION)
     if isinstance(per_pos, list):
-        values.update(_finite_values({f"al_pos_{k}": v for k, v in enumerate(per_pos)}))
+        values.update(_finite_values(al_pos_values(per_pos)))
     return values
 
 
@@ -145,7 +156,7 @@ class ProgressCollector:
             self._checkpoint_eval(rec)
             if not message:
                 shown = {k: v for k, v in _finite_values(rec.get("metrics")).items()
-                         if k in ("eval_loss", "eval_tau_sim", "tau_sim", "acceptance_length")}
+                         if k in _EVAL_SUMMARY}
                 at = f" at step {rec['step']}" if isinstance(rec.get("step"), int) else ""
                 message = f"evaluation{at}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
         self.batch.events.append({"kind": kind, "phase": self.phase, "message": message[:_MAX_MESSAGE],
@@ -158,7 +169,7 @@ class ProgressCollector:
         raw = rec.get("metrics")
         if not isinstance(step, int) or isinstance(step, bool) or not isinstance(raw, dict):
             return
-        values = {k: v for k, v in _eval_values(raw).items() if k == "acceptance_length" or k.startswith("al_pos_")}
+        values = {k: v for k, v in _eval_values(raw).items() if is_measured_al_key(k)}
         if values:
             self.batch.checkpoint_metrics.append({"step": step, "metrics": values})
 

@@ -8,7 +8,10 @@ Each pass, in the database (safe to run several reapers: every change is a condi
   checkpoint (`peagle train --resume auto`). After `max_restarts` requeues it fails (`worker_lost`).
   A lapsed `pausing` job becomes `paused`, a lapsed `cancelling` one `cancelled`;
 - a `queued` job with no broker message recorded (`celery_task_id` null, e.g. the send failed, or its
-  worker was stopping) is sent.
+  worker was stopping) is sent;
+- a `queued` job whose message is recorded but no longer waiting in the broker (Redis lost its data, a
+  worker took it and died before claiming) is sent again once it has been queued for
+  `requeue_lost_after_seconds` (Redis and filesystem brokers, whose queues can be listed).
 With `--resend-queued Q1,Q2` it first sends a message for every queued job on those queues: the
 `filesystem://` broker has no acknowledgements, so a message that a stopped worker had reserved is
 gone. `python -m worker` does this on start in embedded mode. A duplicate message is harmless: a job is
@@ -31,15 +34,21 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import states
-from service.db.lease import ReapAction, queued_jobs, reap_lapsed, unsent_queued_jobs
-from service.db.models import Job
+from service.db.lease import (
+    ReapAction,
+    queued_jobs,
+    reap_lapsed,
+    record_task_id,
+    sent_queued_jobs,
+    unsent_queued_jobs,
+)
 from service.db.session import make_engine, make_session_factory, session_scope
 from service.queue import make_producer
 from service.settings import Settings, get_settings
 from worker.live import Publisher
 from worker.webhooks import start_dispatcher
 
-__all__ = ["main", "reap_once", "run_reaper"]
+__all__ = ["main", "reap_once", "resend_lost", "run_reaper"]
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +60,37 @@ def _send(factory: sessionmaker[Session], producer: Any, job_id: str, queue: str
         log.warning("reaper: cannot send job %s to %s (%s); will retry", job_id, queue, exc)
         return False
     with session_scope(factory) as s:
-        s.execute(sa.update(Job).where(Job.id == job_id, Job.status == states.QUEUED)
-                  .values(celery_task_id=task_id).execution_options(synchronize_session=False))
+        record_task_id(s, job_id, task_id)
     return True
 
 
+def resend_lost(factory: sessionmaker[Session], producer: Any, *, older_than: float) -> int:
+    """Send again every queued job (queued for `older_than` s) whose recorded message is not waiting in
+    the broker. A duplicate is harmless: `claim_job` takes a job once, the other task returns at once."""
+    with session_scope(factory) as s:
+        candidates = sent_queued_jobs(s, older_than=older_than)
+    waiting: dict[str, set[str] | None] = {}
+    sent = 0
+    for job_id, queue, task_id in candidates:
+        if queue not in waiting:
+            try:
+                waiting[queue] = producer.waiting_task_ids(queue)
+            except Exception as exc:  # noqa: BLE001 - broker down: try again next pass
+                log.warning("reaper: cannot list queue %s (%s); will retry", queue, exc)
+                waiting[queue] = None
+        present = waiting[queue]
+        if present is None or task_id in present:
+            continue
+        log.warning("reaper: job %s has been queued for over %.0f s and its message %s is not in the broker; "
+                    "sending it again", job_id, older_than, task_id)
+        sent += _send(factory, producer, job_id, queue)
+    return sent
+
+
 def reap_once(factory: sessionmaker[Session], producer: Any, *, resend_after: float = 10.0,
-              publisher: Publisher | None = None) -> list[ReapAction]:
-    """One pass: requeue/fail lapsed jobs, send queued jobs that have no message. Returns the actions."""
+              publisher: Publisher | None = None, lost_after: float | None = None) -> list[ReapAction]:
+    """One pass: requeue/fail lapsed jobs, send queued jobs that have no message (and, with `lost_after`,
+    those whose message the broker lost). Returns the actions."""
     with session_scope(factory) as s:
         actions = reap_lapsed(s)
     for act in actions:
@@ -72,6 +104,8 @@ def reap_once(factory: sessionmaker[Session], producer: Any, *, resend_after: fl
     for job_id, queue in unsent:
         log.info("reaper: sending queued job %s (no broker message recorded)", job_id)
         _send(factory, producer, job_id, queue)
+    if lost_after is not None:
+        resend_lost(factory, producer, older_than=lost_after)
     return actions
 
 
@@ -99,7 +133,8 @@ def run_reaper(settings: Settings, *, interval: float, stop: threading.Event,
             log.info("reaper: re-sent %d queued job(s) on %s", n, ",".join(resend_queues))
         while not stop.is_set():
             try:
-                reap_once(factory, producer, resend_after=max(5.0, 2 * interval), publisher=publisher)
+                reap_once(factory, producer, resend_after=max(5.0, 2 * interval), publisher=publisher,
+                          lost_after=settings.requeue_lost_after_seconds)
             except sa.exc.SQLAlchemyError as exc:
                 log.warning("reaper: database error (%s); retrying", exc)
             stop.wait(interval)
@@ -132,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = make_engine(settings.resolved_database_url())
         producer = make_producer(settings)
         try:
-            reap_once(make_session_factory(engine), producer)
+            reap_once(make_session_factory(engine), producer, lost_after=settings.requeue_lost_after_seconds)
         finally:
             producer.close()
             engine.dispose()

@@ -17,7 +17,7 @@ from typing import Any
 from service.db import states
 from service.db.lease import ConcurrencyLimited, claim_job, defer_claim, finish
 from service.db.session import make_engine, make_session_factory, session_scope
-from service.queue import TRAIN_TASK, make_producer
+from service.queue import TRAIN_TASK, make_producer, task_options
 from service.settings import Settings
 from worker.live import Publisher
 from worker.supervisor import Supervisor
@@ -83,7 +83,7 @@ def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) 
 def register_tasks(app: Any, settings: Settings) -> Any:
     """Register `peagle.train` on `app` (settings are closed over: no module-level state)."""
 
-    @app.task(name=TRAIN_TASK, acks_late=True, reject_on_worker_lost=False, ignore_result=True)  # type: ignore[untyped-decorator]
+    @app.task(name=TRAIN_TASK, **task_options())
     def train(job_id: str) -> str:
         return run_job(settings, job_id)
 

@@ -1,4 +1,4 @@
-"""Operations and metadata: `/healthz`, `/readyz`, Prometheus `/metrics`, presets, spec JSON schema."""
+"""Operations and metadata: `/healthz`, `/readyz`, Prometheus `/metrics`, presets, spec JSON schema, `/v1/meta`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import State
-from peagle.spec import TrainSpec, preset, preset_names
+from api.schemas import MetaOut, Readiness
+from peagle.spec import BUILTIN_DATA, BUILTIN_TARGETS, PHASES, TrainSpec, preset, preset_names
+from peagle.spec import metrics as metric_keys
+from service.db import states
 
 router = APIRouter(tags=["meta"])
 
@@ -22,7 +25,8 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", operation_id="meta-readyz", summary="Readiness: database and broker answer",
-            responses={503: {"description": "a dependency is down"}})
+            response_model=Readiness,
+            responses={503: {"model": Readiness, "description": "A dependency is down (see `checks`)."}})
 async def readyz(state: State) -> Any:
     def db_ok() -> bool:
         try:
@@ -58,3 +62,44 @@ def presets() -> dict[str, Any]:
 @router.get("/v1/spec/schema", operation_id="meta-spec-schema", summary="JSON schema of the job spec (TrainSpec)")
 def spec_schema() -> dict[str, Any]:
     return TrainSpec.model_json_schema()
+
+
+def spec_enums(schema: dict[str, Any] | None = None) -> dict[str, list[Any]]:
+    """`{JSON pointer: allowed values}` of every enumerated field of the spec (`Literal` fields), read from
+    the spec's own JSON schema (array items are `*`)."""
+    schema = schema or TrainSpec.model_json_schema()
+    defs = schema.get("$defs", {})
+    out: dict[str, list[Any]] = {}
+
+    def walk(node: dict[str, Any], path: str, depth: int) -> None:
+        if depth > 16:
+            return
+        if "$ref" in node:
+            node = defs[node["$ref"].rsplit("/", 1)[-1]]
+        if "enum" in node or "const" in node:  # Literal[...] (one value: `const`)
+            out[path] = list(node["enum"]) if "enum" in node else [node["const"]]
+            return
+        for sub in (*node.get("anyOf", ()), *node.get("allOf", ())):
+            walk(sub, path, depth + 1)
+        for name, prop in node.get("properties", {}).items():
+            walk(prop, f"{path}/{name}", depth + 1)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}/*", depth + 1)
+
+    walk(schema, "", 0)
+    return out
+
+
+@router.get("/v1/meta", response_model=MetaOut, operation_id="meta-meta",
+            summary="Job states, allowed actions, run phases, spec enums and metric keys (for clients)")
+def meta() -> dict[str, Any]:
+    return {
+        "object": "meta",
+        "states": list(states.ALL_STATES),
+        "terminal_states": [s for s in states.ALL_STATES if s in states.TERMINAL],
+        "actions_by_state": {s: [*states.actions_in(s), "clone"] for s in states.ALL_STATES},
+        "phases": list(PHASES),
+        "enums": spec_enums(),
+        "suggestions": {"/target/model": list(BUILTIN_TARGETS), "/data/sources/*/path": list(BUILTIN_DATA)},
+        "metric_keys": dict(metric_keys.key_patterns()),
+    }

@@ -25,10 +25,11 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from peagle.errors import SpecInvalidError
+from peagle.spec.text import unstorable_problem
 
 SPEC_VERSION = 1
 
@@ -70,6 +71,15 @@ __all__ = [
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        """Every string of the spec is storable text: no NUL, no lone surrogate (`peagle.spec.text`)."""
+        problem = unstorable_problem(value)
+        if problem is not None:
+            raise PydanticCustomError("unstorable_text", problem)
+        return value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -437,6 +447,8 @@ def _problems_from(exc: ValidationError) -> list[SpecProblem]:
             msg = "unknown field (not part of the job spec)"
         elif err["type"] == "missing":
             msg = "required field is missing"
+        elif err["type"] == "string_unicode":
+            msg = "must be valid UTF-8 text: no lone surrogate (\\ud800-\\udfff)"
         problems.append(SpecProblem(loc=loc, message=msg))
     return problems
 
