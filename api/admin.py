@@ -1,5 +1,5 @@
 """Operator commands: `python -m api.admin create-key --owner NAME --scope write` (prints the secret ONCE),
-`list-keys`, `revoke-key PREFIX`, `migrate`. The database URL comes from `service.settings.get_settings()`.
+`list-keys`, `revoke-key PREFIX`, `reencrypt-webhook-secrets`, `migrate`. The database URL comes from `service.settings.get_settings()`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from service.settings import get_settings
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Administer the peagle service.")
 
 
-def _sessions():  # type: ignore[no-untyped-def]
+def _sessions():
     settings = get_settings()
     from service.db import upgrade
 
@@ -61,6 +61,27 @@ def revoke_key(prefix: str = typer.Argument(..., help="The key's prefix (second 
             typer.echo(f"error: no active key with prefix {prefix!r}", err=True)
             raise typer.Exit(1)
     typer.echo(f"revoked {prefix}")
+
+
+@app.command("reencrypt-webhook-secrets")
+def reencrypt_webhook_secrets() -> None:
+    """Encrypt webhook secrets under the current PEAGLE_SECRET_KEY: plaintext ones (from before migration 0003)
+    and ones under PEAGLE_SECRET_KEY_PREVIOUS (after a rotation). Safe to run while the service runs."""
+    from service.crypto import SecretError
+    from service.db import webhooks as wh
+
+    settings = get_settings()
+    problem = settings.secret_key_problem()
+    if problem:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
+    try:
+        with _sessions()() as s:
+            n = wh.rewrap_secrets(s, wh.secret_box(settings))
+    except SecretError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"re-encrypted {n} webhook secret(s)")
 
 
 @app.command("migrate")

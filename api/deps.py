@@ -1,9 +1,13 @@
 """FastAPI dependencies: app state, database sessions, authentication and signed browser tokens.
 
-Credentials, in order: `Authorization: Bearer <api key>`; the signed session cookie (`POST /v1/auth/session`);
-and, on streams and downloads only, `?token=` from `POST /v1/auth/stream-token` (EventSource and `<a download>`
-cannot send headers). Tokens are `base64url(json).base64url(hmac_sha256(secret_key, json))` and carry the
-key id, so revoking the key invalidates them.
+Credentials, in order: `Authorization: Bearer <api key>`; on streams and downloads only, `?token=` from
+`POST /v1/auth/stream-token` (EventSource and `<a download>` cannot send headers); the signed session cookie
+(`POST /v1/auth/session`). Tokens are `base64url(json).base64url(hmac_sha256(secret_key, json))`.
+A session cookie names a server-side `auth_session` row: sign-out revokes it (this process forgets it at
+once, other API processes within `AUTH_CACHE_S`), and a cookie signed with a leaked key but naming no live
+session is refused. A stream token names its key, ONE job and ONE purpose (`stream` or `download`); it is
+refused on any other job's routes, on routes of the other purpose, and as a cookie. Revoking the API key
+invalidates both.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
 from service.db import repo
-from service.db.models import ApiKey
+from service.db.models import ApiKey, AuthSession, utcnow
 from service.settings import Settings
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "auth",
     "authorize",
     "dumps",
+    "forget_session",
     "get_db",
     "get_read_db",
     "get_state",
@@ -153,6 +158,18 @@ def _principal_from_key_id(session: Session, key_id: int) -> repo.Principal | No
     return repo.Principal(row.owner_id, row.owner.name, row.id, frozenset(scopes))
 
 
+def _principal_from_session(session: Session, session_id: str) -> repo.Principal | None:
+    row = session.get(AuthSession, session_id)
+    if row is None or row.revoked_at is not None or row.expires_at <= utcnow():
+        return None
+    return _principal_from_key_id(session, row.key_id)
+
+
+def forget_session(state: AppState, session_id: str) -> None:
+    """Drop a signed-out session from this process's auth cache (other processes: within `AUTH_CACHE_S`)."""
+    state.extra.get("auth_cache", {}).pop(f"s:{session_id}", None)
+
+
 def _lookup(state: AppState, cache_key: str, load: Callable[[Session], repo.Principal | None]
             ) -> repo.Principal | None:
     """Principal from the per-app TTL cache, else from the database (own short session, in a thread)."""
@@ -172,7 +189,8 @@ def _lookup(state: AppState, cache_key: str, load: Callable[[Session], repo.Prin
     return principal
 
 
-async def _authenticate(request: Request, state: AppState, token: str | None) -> repo.Principal:
+async def _authenticate(request: Request, state: AppState, token: str | None, purpose: str | None = None
+                        ) -> repo.Principal:
     header = request.headers.get("authorization")
     if header:
         scheme, _, key = header.partition(" ")
@@ -186,26 +204,37 @@ async def _authenticate(request: Request, state: AppState, token: str | None) ->
         if principal is None:
             raise ApiError(401, "unauthorized", "invalid or revoked API key",
                            headers={"WWW-Authenticate": "Bearer"})
-        return principal  # type: ignore[return-value]
+        return principal
     secret = state.settings.secret_key
-    for raw, kind in ((token, "stream"), (request.cookies.get(SESSION_COOKIE), "session")):
-        if not raw:
-            continue
-        payload = verify_token(secret, raw, kind)
-        if payload is None:
-            raise ApiError(401, "unauthorized", f"invalid or expired {kind} token")
-        key_id = int(payload.get("k", 0))
+    if token:
+        payload = verify_token(secret, token, "stream")
+        if (payload is None or purpose is None or payload.get("p") != purpose
+                or payload.get("j") != request.path_params.get("job_id") or not isinstance(payload.get("k"), int)):
+            raise ApiError(401, "unauthorized", "invalid or expired stream token (a token is for one job and "
+                           "one purpose)")
+        key_id = int(payload["k"])
         cache_key = f"k:{key_id}"
         principal = _cached(state, cache_key)
         if principal is _MISS:
-            principal = await _lookup_once(state, cache_key,
-                                           lambda s, k=key_id: _principal_from_key_id(s, k))
+            principal = await _lookup_once(state, cache_key, functools.partial(_principal_from_key_id, key_id=key_id))
         if principal is None:
             raise ApiError(401, "unauthorized", "the API key behind this token was revoked")
-        if kind == "stream":
-            return repo.Principal(principal.owner_id, principal.owner_name, principal.key_id,  # type: ignore[union-attr]
-                                  principal.scopes & {"read"})  # type: ignore[union-attr]
-        return principal  # type: ignore[return-value]
+        return repo.Principal(principal.owner_id, principal.owner_name, principal.key_id,
+                              principal.scopes & {"read"})
+    raw = request.cookies.get(SESSION_COOKIE)
+    if raw:
+        payload = verify_token(secret, raw, "session")
+        session_id = payload.get("s") if payload is not None else None
+        if not isinstance(session_id, str):
+            raise ApiError(401, "unauthorized", "invalid or expired session")
+        cache_key = f"s:{session_id}"
+        principal = _cached(state, cache_key)
+        if principal is _MISS:
+            principal = await _lookup_once(state, cache_key,
+                                           functools.partial(_principal_from_session, session_id=session_id))
+        if principal is None:
+            raise ApiError(401, "unauthorized", "the session was signed out, expired, or its API key revoked")
+        return principal
     raise ApiError(401, "unauthorized", "missing credentials: send 'Authorization: Bearer <api key>'",
                    headers={"WWW-Authenticate": "Bearer"})
 
@@ -290,7 +319,7 @@ def releases_db(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def auth(scope: str, *, allow_token: bool = False) -> Callable[..., Any]:
+def auth(scope: str, *, allow_token: str | None = None) -> Callable[..., Any]:
     """Dependency: the caller, required to hold `scope` (403 otherwise).
 
     Async and database-free on a cache hit (keys are cached per app for `AUTH_CACHE_S` seconds, so a
@@ -299,7 +328,8 @@ def auth(scope: str, *, allow_token: bool = False) -> Callable[..., Any]:
 
     Args:
         scope: `read`, `write` or `admin`.
-        allow_token: also accept `?token=` (streams and downloads).
+        allow_token: also accept a `?token=` minted for this purpose (`stream` or `download`) and for the
+            route's `job_id`.
     """
     if allow_token:
 
@@ -308,7 +338,7 @@ def auth(scope: str, *, allow_token: bool = False) -> Callable[..., Any]:
             state: State,
             token: Annotated[str | None, Query(description="Short-lived stream token (browsers).")] = None,
         ) -> repo.Principal:
-            return _check(await _authenticate(request, state, token), scope)
+            return _check(await _authenticate(request, state, token, allow_token), scope)
 
         return dep_token
 
@@ -334,4 +364,5 @@ def _check(principal: repo.Principal, scope: str) -> repo.Principal:
 
 Reader = Annotated[repo.Principal, Depends(auth("read"))]
 Writer = Annotated[repo.Principal, Depends(auth("write"))]
-TokenReader = Annotated[repo.Principal, Depends(auth("read", allow_token=True))]
+TokenReader = Annotated[repo.Principal, Depends(auth("read", allow_token="stream"))]  # SSE streams
+DownloadReader = Annotated[repo.Principal, Depends(auth("read", allow_token="download"))]  # checkpoint files

@@ -13,12 +13,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount
 
 from peagle.errors import PeagleError
 from peagle.spec import SpecInvalidError
 from service.db.states import IllegalTransition
 
-__all__ = ["ApiError", "envelope", "install_error_handlers", "pointer"]
+__all__ = ["ApiError", "allow_header", "envelope", "install_error_handlers", "pointer"]
 
 log = logging.getLogger("peagle.api")
 
@@ -84,6 +85,23 @@ def spec_error(exc: SpecInvalidError, *, prefix: tuple[str, ...] = ()) -> ApiErr
     return ApiError(422, "spec_invalid", str(exc), param=first, details=details)
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allow_header(request: Request) -> dict[str, str]:
+    """`{"Allow": ...}` for a 405: every method the app's routes serve on this path (RFC 9110 15.5.6).
+
+    Starlette names only the methods of the first route matching the path (`GET` of `GET /v1/jobs`, not
+    `POST`), or `GET, HEAD` when the frontend's static mount at `/` took the request; this names them all,
+    asking each route (mounts aside) whether it fully matches the path with each method. Empty when no
+    route but a mount matches the path (the mount's own `Allow` stands).
+    """
+    methods = [m for m in _METHODS if any(
+        not isinstance(route, Mount) and route.matches({**request.scope, "method": m})[0] is Match.FULL
+        for route in request.app.router.routes)]
+    return {"Allow": ", ".join(methods)} if methods else {}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception type the API raises through the envelope."""
 
@@ -103,12 +121,22 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return _json(422, envelope("validation_error", msg, details[0]["param"] if details else None, details))
 
-    async def http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _STATUS_CODES.get(exc.status_code, "http_error")
-        return _json(exc.status_code, envelope(code, str(exc.detail)), getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        status, detail = exc.status_code, str(exc.detail)
+        if status in (404, 405):
+            # A path the API serves with other methods is 405 + `Allow`, also where the frontend's static
+            # mount at `/` took the request (it answers 404 to a GET of e.g. /v1/jobs/{id}/cancel).
+            allow = allow_header(req)
+            if allow and req.method not in allow["Allow"].split(", "):
+                status, code, detail = 405, _STATUS_CODES[405], "Method Not Allowed"
+                headers = {**(headers or {}), **allow}
+        return _json(status, envelope(code, detail), headers)
 
     async def illegal(_req: Request, exc: IllegalTransition) -> JSONResponse:
-        body = envelope("illegal_transition", str(exc), None, [{"current_state": exc.current}])
+        body = envelope("illegal_transition", str(exc), None,
+                        [{"param": None, "message": f"the job is {exc.current}", "current_state": exc.current}])
         return _json(409, body)
 
     async def spec_invalid(_req: Request, exc: SpecInvalidError) -> JSONResponse:

@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from api.deps import AppState
 from api.errors import install_error_handlers
+from api.retry import ReadRetryMiddleware
 from service.settings import Settings, get_settings
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "require_secret_key"]
 
 THREADS = 24
 GC_YOUNG_THRESHOLD = 10_000
@@ -108,8 +109,22 @@ def _build_state(settings: Settings) -> AppState:
     return state
 
 
+def require_secret_key(settings: Settings) -> None:
+    """Refuse to run outside embedded mode with the default or a short secret key (forgeable tokens)."""
+    problem = settings.secret_key_problem()
+    if problem:
+        raise RuntimeError(f"refusing to start: {problem}. Set PEAGLE_SECRET_KEY to a random string of at least "
+                           "32 characters, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(48))'`.")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """The API app. `settings=None` reads them from the environment (`get_settings()`) at startup."""
+    """The API app. `settings=None` reads them from the environment (`get_settings()`) at startup.
+
+    Raises RuntimeError (here, or at startup when `settings` is None) outside embedded mode with a default or
+    short `secret_key`.
+    """
+    if settings is not None:
+        require_secret_key(settings)
     metrics = ServiceMetrics()
 
     @asynccontextmanager
@@ -121,7 +136,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Each request thread holds at most one pooled connection: keep threads <= pool size so a
         # thread never waits for a connection held by a request that waits for a thread (deadlock).
         to_thread.current_default_thread_limiter().total_tokens = THREADS
-        state = _build_state(settings or get_settings())
+        resolved = settings or get_settings()
+        require_secret_key(resolved)
+        state = _build_state(resolved)
         state.metrics = metrics
         url = state.settings.resolved_database_url()
         if is_postgres(url):
@@ -161,6 +178,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for module in (jobs, meta, auth, streams, checkpoints, datasets, webhooks):  # jobs first: most requests
         app.include_router(module.router)
+    app.add_middleware(ReadRetryMiddleware)  # inside the metrics: they count the retried answer
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if FRONTEND.is_dir():
         from fastapi.staticfiles import StaticFiles

@@ -353,7 +353,8 @@ def main(argv: list[str]) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "PEAGLE_DATABASE_URL": url, "PEAGLE_EMBEDDED": "false", "PEAGLE_HOME": str(home),
-               "PEAGLE_REDIS_URL": REDIS, "PEAGLE_BROKER_URL": REDIS, "PEAGLE_MAX_QUEUED_JOBS": "10000000"}
+               "PEAGLE_REDIS_URL": REDIS, "PEAGLE_BROKER_URL": REDIS, "PEAGLE_MAX_QUEUED_JOBS": "10000000",
+               "PEAGLE_SECRET_KEY": os.environ.get("PEAGLE_SECRET_KEY") or "bench-" + "k" * 40}
         # Production shape (docker-compose.yml): 2 workers; uvicorn picks uvloop + httptools when installed.
         proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app", "--host",
                                  "127.0.0.1", "--port", str(port), "--workers", str(a.workers), "--log-level",

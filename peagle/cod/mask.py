@@ -1,4 +1,4 @@
-"""The COD attention mask (peagle.md decision 4, section 1.9): one predicate, two realisations.
+"""The COD attention mask (docs/decisions.md decision 4, docs/algorithm.md 1.9): one predicate, two realisations.
 
     visible(q, k) = doc(a_q) != -1 AND doc(a_q) == doc(a_k)
                     AND ( (d_k == 0 AND a_k <= a_q)        # causal real context
@@ -66,7 +66,7 @@ def _element_docs(anchor_pos: Tensor, document_ids: Tensor | None) -> Tensor:
 
 
 def mask_mod_from_element_docs(anchor_pos: Tensor, depth: Tensor, element_doc: Tensor) -> Callable:
-    """`mask_mod(b, h, q, kv)` of section 1.9 given the per-element documents `element_doc` `[N]`."""
+    """`mask_mod(b, h, q, kv)` of docs/algorithm.md 1.9 given the per-element documents `element_doc` `[N]`."""
     anchor = anchor_pos.long()
     dep = depth.long()
     edoc = element_doc.long()

@@ -1,4 +1,4 @@
-"""Flat-input assembly for one packed row, and the sequence-partition plan (peagle.md 1.8, 1.12).
+"""Flat-input assembly for one packed row, and the sequence-partition plan (docs/algorithm.md 1.8, 1.12).
 
 The trainer's contract, per micro-batch (B rows) and step::
 
@@ -17,7 +17,7 @@ The trainer's contract, per micro-batch (B rows) and step::
                                                               # (trainer: lm_head + KL fused, `head_loss_sums`)
         (loss_sum / den).backward()                           # summed over segments == flat loss
 
-Worked example (T=8 all supervised, K=4, r=r_min=1, peagle.md 1.12): the row has N=26 elements,
+Worked example (T=8 all supervised, K=4, r=r_min=1, docs/algorithm.md 1.12): the row has N=26 elements,
 anchors `[0..7, 0..6, 0..5, 0..4]`, depths `[0]*8+[1]*7+[2]*6+[3]*5`. With S=2 the segments
 (closed form `floor(p*S/T)`, p = anchor for depth 0, anchor+1 deeper) are
 `[0,0,0,0,1,1,1,1, 0,0,0,1,1,1,1, 0,0,0,1,1,1, 0,0,0,1,1]`. Segment 0 owns 4+3+3+3 = 13 elements
@@ -30,7 +30,7 @@ flat forward and the segment losses sum to the flat loss.
 The loop above is the plain form (NeMo's phase 3: the context is recomputed with grad in every
 segment). The trainer computes the same gradients with less memory: it forwards each segment's owned
 elements only and carries the depth-0 context's keys / values and their gradients between segments
-(`peagle.train.step`, `peagle.model.draft.KVCarry`, `block_mask_for(..., query_offset=)`).
+(`peagle.train.step`, `peagle.model.attention.KVCarry`, `block_mask_for(..., query_offset=)`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def build_flat_row(
     depth: Tensor,
     mask_token_id: int,
 ) -> FlatRow:
-    """Assemble the flat COD input of one row (peagle.md 1.8).
+    """Assemble the flat COD input of one row (docs/algorithm.md 1.8).
 
     Args:
         input_ids: `[T]` (or `[1, T]`) shifted draft input ids, ids'[i] = x[i+1].
@@ -151,7 +151,7 @@ def subset_row(row: FlatRow, index: Tensor) -> FlatRow:
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence partition of a row (peagle.md 1.12, phase 3).
+    """One sequence partition of a row (docs/algorithm.md 1.12, causal completion).
 
     Attributes:
         index: `[n_s]` int64 sorted indices into the row's elements that form this segment's input:
@@ -164,7 +164,7 @@ class Segment:
 
 
 def plan_segments(row: FlatRow, seq_len: int, num_segments: int) -> list[Segment]:
-    """Partition a row's elements into `num_segments` segments (closed form of peagle.md 1.12).
+    """Partition a row's elements into `num_segments` segments (closed form of docs/algorithm.md 1.12).
 
     Args:
         row: the flat row.
@@ -224,7 +224,7 @@ def block_mask_for(row: FlatRow, *, block_size: int = 128, query_offset: int = 0
     """Flex-attention `BlockMask` of a (segment) row on the row's device (use on CUDA).
 
     `query_offset` = Nc > 0: only the elements from Nc on are queries (the first Nc are carried context
-    keys, `peagle.model.draft.KVCarry.past`): a `[N - Nc, N]` mask.
+    keys, `peagle.model.attention.KVCarry.past`): a `[N - Nc, N]` mask.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 

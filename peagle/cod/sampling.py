@@ -1,4 +1,4 @@
-"""COD sampling and sequence-partition assignment (peagle.md decisions 3 and 9, sections 1.7 and 1.12).
+"""COD sampling and sequence-partition assignment (docs/decisions.md decisions 3 and 9, docs/algorithm.md 1.7 and 1.12).
 
 A COD element e = (anchor a_e, depth d_e) has the reference position o_e = a_e + d_e. Depth 0 holds
 every position of the row; a depth-d element (d >= 1) extends a chain a, a+1, ..., a+d whose
@@ -46,7 +46,7 @@ def sample_cod(
        Emit (chosen - d, d). Next pool = {o + 1 : o in chosen, o + 1 < T, valid(o+1),
        doc(o+1) == doc(o)}.
 
-    With one document this is exactly the reference sampler of peagle.md 1.7 (there position 0 is
+    With one document this is exactly the reference sampler of docs/algorithm.md 1.7 (there position 0 is
     filtered from the depth-1 pool and `(o + 1) mod T == 0` is dropped, the same sets).
 
     Worked example: T=8, loss_mask all ones, K=4, r = r_min = 1 (deterministic, every draw is a
@@ -120,7 +120,7 @@ def sample_cod(
 
 
 def assign_segments(anchor_pos: Tensor, depth: Tensor, seq_len: int, num_segments: int) -> Tensor:
-    """Segment of every COD element: `clamp(floor(p * S / T), 0, S - 1)` (peagle.md 1.12 closed form).
+    """Segment of every COD element: `clamp(floor(p * S / T), 0, S - 1)` (docs/algorithm.md 1.12 closed form).
 
     `p = a` for depth 0 and `p = a + 1` for depth >= 1: a depth-1 element is bucketed by its
     reference position and deeper elements inherit their depth-1 ancestor's bucket (same anchor).

@@ -135,16 +135,26 @@ def _first_char(path: Path) -> str:
     return chr(head[0]) if head else ""
 
 
+def _lines(fh: Any, cap: int) -> Iterator[tuple[bytes, int]]:
+    """(first `cap` + 1 bytes of each line, its full length): an endless line never sits in memory."""
+    while raw := fh.readline(cap + 1):
+        size = len(raw)
+        if size > cap:
+            while not raw.endswith(b"\n") and (raw := fh.readline(1 << 20)):
+                size += len(raw)
+        yield raw, size
+
+
 def _iter_jsonl(path: Path, report: IngestReport, limits: Limits) -> Iterator[tuple[int, int, Any]]:
     with path.open("rb") as fh:
         index = -1
-        for lineno, raw in enumerate(fh, start=1):
+        for lineno, (raw, size) in enumerate(_lines(fh, limits.max_row_bytes), start=1):
             if not raw.strip():
                 continue
             index += 1
             report.rows_read += 1
-            if len(raw) > limits.max_row_bytes:
-                report.skip(index, lineno, "row_too_large", f"{len(raw)} bytes > {limits.max_row_bytes}")
+            if size > limits.max_row_bytes:
+                report.skip(index, lineno, "row_too_large", f"{size} bytes > {limits.max_row_bytes}")
                 continue
             try:
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -155,6 +165,9 @@ def _iter_jsonl(path: Path, report: IngestReport, limits: Limits) -> Iterator[tu
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
                 report.skip(index, lineno, "invalid_json", str(exc))
+                continue
+            except RecursionError:
+                report.skip(index, lineno, "too_deep", "JSON nested too deeply")
                 continue
             yield index, lineno, value
 
@@ -216,6 +229,10 @@ def _iter_json_array(
                     value, end = decoder.raw_decode(buf, pos)
                     if end < len(buf) or eof:
                         break
+                except RecursionError:
+                    raise DataInvalidError(
+                        f"{path}: line {start_line}: element {index} is nested too deeply"
+                    ) from None
                 except json.JSONDecodeError as exc:
                     if eof:
                         what = "truncated JSON" if exc.pos >= len(buf) - 1 else f"malformed JSON ({exc.msg})"
@@ -228,6 +245,10 @@ def _iter_json_array(
                         f"{path}: line {start_line}: element {index} exceeds {limits.max_row_bytes} bytes"
                     )
                 fill()
+            if end - pos > limits.max_row_bytes:  # whole in the buffer, still too big (size in characters)
+                raise DataInvalidError(
+                    f"{path}: line {start_line}: element {index} exceeds {limits.max_row_bytes} bytes"
+                )
             pos = end
             report.rows_read += 1
             yield index, start_line, value
@@ -353,7 +374,7 @@ def detect_format(path: str | Path) -> tuple[str, str]:
     path = Path(path)
     first = _first_char(path)
     if first not in "[{":
-        raise DataInvalidError(f"{path}: line 1: not JSON/JSONL (starts with {first!r})")
+        raise DataInvalidError(f"{path}: line 1: not JSON/JSONL (does not start with '[' or '{{')")
     container = "array" if first == "[" else "jsonl"
     scratch = IngestReport()
     it = (
@@ -369,6 +390,9 @@ def detect_format(path: str | Path) -> tuple[str, str]:
                 "'conversations', 'messages', 'input_ids'"
             )
         return container, schema
+    if scratch.bad_rows:  # rows, none readable: say why the first one is not
+        bad = scratch.bad_rows[0]
+        raise DataInvalidError(f"{path}: line {bad['line']}: no readable row ({bad['reason']}: {bad['detail']})")
     raise DataInvalidError(f"{path}: no rows")
 
 
@@ -439,13 +463,16 @@ def validate_dataset(
     tokenizer_path: str | None = None,
     max_rows: int | None = None,
     max_length: int = 1 << 30,
+    max_row_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Cheap check of an uploaded dataset; never raises for bad data.
 
     Returns the ingestion report as a dict plus ``ok`` and ``error`` (a fatal problem naming the line);
     with `tokenizer_path` also ``tokens``, ``assistant_tokens`` and ``assistant_coverage`` (the fraction of
-    tokens supervised) from the tokenizer's own chat template.
+    tokens supervised) from the tokenizer's own chat template. With `max_row_bytes`, a bigger row makes the
+    dataset unusable (``ok`` false, ``error`` naming the line) instead of being skipped.
     """
+    limits = Limits(max_row_bytes=max_row_bytes) if max_row_bytes is not None else None
     report = IngestReport(path=str(path))
     out: dict[str, Any] = {"ok": False, "error": None}
     tok = None
@@ -455,7 +482,7 @@ def validate_dataset(
         tok = AutoTokenizer.from_pretrained(tokenizer_path)
     tokens = supervised = 0
     try:
-        for row in iter_rows(path, format, report, max_samples=max_rows):
+        for row in iter_rows(path, format, report, max_samples=max_rows, limits=limits):
             if tok is None:
                 continue
             if row.input_ids is not None:
@@ -473,6 +500,10 @@ def validate_dataset(
     out["rows_skipped"] = report.rows_skipped
     if tok is not None:
         out.update(tokens=tokens, assistant_tokens=supervised, assistant_coverage=supervised / max(tokens, 1))
+    big = next((b for b in report.bad_rows if b["reason"] == "row_too_large"), None)
+    if out["error"] is None and limits is not None and report.skipped_by_reason["row_too_large"]:
+        where = f"line {big['line']}" if big else "a row"
+        out["error"] = f"{path}: {where}: row exceeds the limit of {limits.max_row_bytes} bytes per row"
     out["ok"] = out["error"] is None and report.rows_kept > 0
     if out["error"] is None and report.rows_kept == 0:
         out["error"] = f"{path}: no usable row ({report.rows_read} read, all skipped)"
@@ -487,8 +518,10 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--format", default="auto", choices=["auto", "sharegpt", "messages", "tokenized"])
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--max-rows", type=int, default=None)
+    ap.add_argument("--max-row-bytes", type=int, default=None, help="a bigger row makes the dataset invalid")
     args = ap.parse_args(argv)
-    rep = validate_dataset(args.path, args.format, tokenizer_path=args.tokenizer, max_rows=args.max_rows)
+    rep = validate_dataset(args.path, args.format, tokenizer_path=args.tokenizer, max_rows=args.max_rows,
+                           max_row_bytes=args.max_row_bytes)
     sys.stdout.write(json.dumps(rep) + "\n")
     return 0 if rep["ok"] else 4
 

@@ -1,26 +1,23 @@
-"""vLLM-ready export of a P-EAGLE draft, its validator, and a loader (peagle.md decision 10, section 3).
+"""vLLM-ready export of a P-EAGLE draft, its validator, and a loader (docs/decisions.md decision 10, docs/export.md).
 
 Two layouts:
 
-- `speculators` (default, section 3.1): `config.json` with `speculators_model_type: "peagle"` and
+- `speculators` (default, docs/export.md 2.1): `config.json` with `speculators_model_type: "peagle"` and
   `speculators_config` (greedy proposal, `speculative_tokens = num_depths`, the verifier), plus
   `model.safetensors`. `vllm serve <dir>` / `LLM(model=<dir>)` loads it with parallel drafting on.
-- `eagle3` (section 3.2): a plain Llama draft config with `architectures: ["LlamaForCausalLMEagle3"]`,
+- `eagle3` (docs/export.md 2.2): a plain Llama draft config with `architectures: ["LlamaForCausalLMEagle3"]`,
   `pard_token`, `parallel_drafting: true`; served as
   `vllm serve <target> --speculative-config '{"method": "eagle3", "model": <dir>, "parallel_drafting": true}'`.
 
 Weights in both: the draft's own tensor names (no `model.` prefix: vLLM adds it), floats in bf16,
 `d2t` int64 offsets `[Vd]`, `t2d` bool `[V]` (absent when Vd == V), `mask_hidden` `[1, 1, 3H]`, and no
 training-only tensors. `validate_export` checks a directory against every rule vLLM enforces plus the
-pitfalls of section 6 item 7/8, one message per violation; `export_draft` runs it before returning.
+pitfalls of docs/algorithm.md 5.7/5.8, one message per violation; `export_draft` runs it before returning.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +33,7 @@ from peagle.export.rules import (
     read_export_config,
     validate_export,
 )
+from peagle.fileio import fsync_file, publish_dir
 
 if TYPE_CHECKING:
     from peagle.model.draft import DraftConfig, PEagleDraft
@@ -97,7 +95,7 @@ def build_speculators_config(
     verifier_name_or_path: str,
     verifier_architectures: list[str],
 ) -> dict[str, Any]:
-    """The speculators-format `config.json` of a P-EAGLE draft (section 3.1).
+    """The speculators-format `config.json` of a P-EAGLE draft (docs/export.md 2.1).
 
     Args:
         layer_config: the draft's Llama config (`transformer_layer_config`).
@@ -150,7 +148,7 @@ def build_eagle3_config(
     aux_layer_ids: list[int],
     num_speculative_tokens: int,
 ) -> dict[str, Any]:
-    """The plain EAGLE-3 `config.json` (section 3.2): a Llama draft config plus the EAGLE-3/P-EAGLE keys."""
+    """The plain EAGLE-3 `config.json` (docs/export.md 2.2): a Llama draft config plus the EAGLE-3/P-EAGLE keys."""
     out = dict(layer_config)
     out.update(
         {
@@ -199,22 +197,12 @@ def _write_files(dest: Path, files: dict[str, bytes | dict[str, torch.Tensor]]) 
             (dest / name).write_bytes(payload)
         else:
             save_file(payload, str(dest / name), metadata={"format": "pt"})
-        with (dest / name).open("rb") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(dest / name)
 
 
 def _write_dir_atomic(out_dir: Path, files: dict[str, bytes | dict[str, torch.Tensor]]) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)
+    with publish_dir(out_dir) as tmp:
         _write_files(tmp, files)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def export_draft(
@@ -238,7 +226,7 @@ def export_draft(
         num_speculative_tokens: K (= `peagle.num_depths`).
         verifier_name_or_path: the target vLLM loads.
         verifier_architectures: the target's architectures.
-        layout: `speculators` (section 3.1) or `eagle3` (section 3.2).
+        layout: `speculators` (docs/export.md 2.1) or `eagle3` (docs/export.md 2.2).
         extra_files: more text files to write into the directory (name -> content).
         in_place: write the files into `out_dir` (created if missing; other files kept), e.g. a
             checkpoint's temporary directory, instead of replacing the directory atomically.
@@ -248,7 +236,7 @@ def export_draft(
     """
     layer = layer_config_from_draft(draft)
     vd = int(draft.lm_head.weight.shape[0])
-    common = {
+    common: dict[str, Any] = {
         "draft_vocab_size": vd,
         "mask_token_id": int(draft.config.mask_token_id),
         "aux_layer_ids": list(draft.config.aux_layer_ids),

@@ -1,6 +1,6 @@
 """Target capture: the 3 aux hidden states and the draft-vocab logits of any HF causal LM.
 
-Aux ids are in the vLLM "input of layer i" convention (decision 2), which is HF ``hidden_states[i]``; the
+Aux ids are in the vLLM "input of layer i" convention (docs/decisions.md decision 2), which is HF ``hidden_states[i]``; the
 default is ``[2, N//2, N-3]``. They are captured with forward pre-hooks on the decoder layers (no
 ``output_hidden_states`` for all layers). The logits are computed from the final (normed) hidden state with
 only the Vd selected ``lm_head`` rows (``logits[..., t2d]`` without the full-vocab matmul), so capture costs

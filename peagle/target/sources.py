@@ -5,7 +5,7 @@ Both implement the trainer's ``BatchSource`` protocol structurally::
     num_batches() -> int                          # micro-batches per epoch (last one may be smaller)
     batch(epoch, index) -> dict[str, Tensor]      # deterministic given (seed, epoch, index)
 
-Keys (after the shift of decision 1, see `peagle.data.packing`): ``input_ids`` [B, T] int64,
+Keys (after the shift of docs/decisions.md decision 1, see `peagle.data.packing`): ``input_ids`` [B, T] int64,
 ``loss_mask`` [B, T] int64, ``document_ids`` [B, T] int64 (-1 padding), ``aux`` [B, T, 3H] and
 ``target_logits`` [B, T, Vd] floating, in the dtype they were computed or stored in (bf16 for a bf16
 target on a GPU: half the memory of an fp32 copy with the same values; the draft and the loss upcast
@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from peagle.data.packing import PackedRows, shift_features
 from peagle.errors import DataInvalidError
+from peagle.fileio import atomic_path, atomic_write_json
 from peagle.target.capture import TargetCapture
 
 __all__ = [
@@ -110,12 +110,7 @@ class OnlineFeatureSource(_Ordered):
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
-        json.dump(data, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+    atomic_write_json(path, data, indent=1, durable=True)
 
 
 def write_feature_shards(
@@ -164,8 +159,8 @@ def write_feature_shards(
         head = {"weight": capture.head_weight.detach().cpu().contiguous()}
         if capture.head_bias is not None:
             head["bias"] = capture.head_bias.detach().cpu().contiguous()
-        save_file(head, str(out / "head.safetensors.tmp"))
-        (out / "head.safetensors.tmp").replace(save_head)
+        with atomic_path(save_head) as tmp:
+            save_file(head, str(tmp))
     done = {s["file"] for s in manifest["shards"] if (out / s["file"]).exists()}
     manifest["shards"] = [s for s in manifest["shards"] if s["file"] in done]
     num_shards = math.ceil(len(rows) / rows_per_shard)
@@ -183,9 +178,8 @@ def write_feature_shards(
             parts["final"].append(final.cpu())
         piece = rows.select(list(range(start, end)))
         tensors = {**piece.to_dict(), "aux": torch.cat(parts["aux"]), "final": torch.cat(parts["final"])}
-        tmp = out / (name + ".tmp")
-        save_file({k2: v.contiguous() for k2, v in tensors.items()}, str(tmp))
-        tmp.replace(out / name)
+        with atomic_path(out / name) as tmp:
+            save_file({k2: v.contiguous() for k2, v in tensors.items()}, str(tmp))
         manifest["shards"].append({"file": name, "start": start, "end": end})
         manifest["shards"].sort(key=lambda s: s["start"])
         _write_json_atomic(mpath, manifest)

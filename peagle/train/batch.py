@@ -2,7 +2,7 @@
 
 Random access by (epoch, index) makes resume exact: the data position of a run is a number, and the
 batch at a position never depends on what was read before. Every tensor is AFTER the shift of
-decision 1 (slot i: token x[i+1], aux g[i], target z[i+1], mask m[i+1]):
+docs/decisions.md decision 1 (slot i: token x[i+1], aux g[i], target z[i+1], mask m[i+1]):
 
     input_ids      [B, T] int64
     loss_mask      [B, T] int64 0/1

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints in RUN/checkpoints (layout: common contract, "Run directory").
+"""Crash-safe checkpoints in RUN/checkpoints (layout: docs/service.md 7).
 
 A checkpoint is written into a temporary directory (`.tmp-step_000100-<pid>`): `training_state.pt`
 (fp32 weights, optimizer, scheduler, RNG, step/epoch/data position), whatever `extra_writer(tmp, draft)`
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from peagle.errors import CheckpointError
+from peagle.fileio import atomic_write_json, publish_dir
+from peagle.spec.metrics import ACCEPTANCE_LENGTH, LOSS, TAU_SIM, eval_key
 
 __all__ = [
     "CheckpointInfo",
@@ -54,39 +56,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    _fsync_dir(path.parent)
-
-
 def best_metric_value(metrics: dict[str, float], select_best_by: str) -> tuple[str, float] | None:
     """(name, value as "higher is better") of the metric that ranks checkpoints, or None if absent.
 
     `tau_sim` prefers the held-out `eval_tau_sim`; `loss` prefers `eval_loss` (negated);
     `acceptance_length` falls back to the tau_sim rule when AL was not measured at this checkpoint.
     """
+    tau = [(eval_key(TAU_SIM), 1.0), (TAU_SIM, 1.0)]
     order = {
-        "acceptance_length": [("acceptance_length", 1.0), ("eval_tau_sim", 1.0), ("tau_sim", 1.0)],
-        "tau_sim": [("eval_tau_sim", 1.0), ("tau_sim", 1.0)],
-        "loss": [("eval_loss", -1.0), ("loss", -1.0)],
+        ACCEPTANCE_LENGTH: [(ACCEPTANCE_LENGTH, 1.0), *tau],
+        TAU_SIM: tau,
+        LOSS: [(eval_key(LOSS), -1.0), (LOSS, -1.0)],
     }[select_best_by]
     for name, sign in order:
         v = metrics.get(name)
@@ -141,30 +121,18 @@ def save_checkpoint(
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     name = step_dirname(step)
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(training_state, tmp / STATE_FILE)
-    if extra_writer is not None:
-        extra_writer(tmp, draft)
-    files = []
-    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        _fsync_file(f)
-        files.append({"path": f.relative_to(tmp).as_posix(), "size": f.stat().st_size, "sha256": _sha256(f)})
-    meta = {"step": step, "epoch": epoch, "metrics": metrics, "files": files}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
-    _fsync_file(tmp / "meta.json")
-    (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
-    _fsync_file(tmp / COMPLETE)
-    _fsync_dir(tmp)
     final = root / name
-    if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-        trash = root / f".trash-{name}-{os.getpid()}"
-        final.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    tmp.rename(final)
-    _fsync_dir(root)
+    # a re-save of the same step (e.g. after a resume) replaces it; fsync'ed, then renamed into place
+    with publish_dir(final, tmp_name=f".tmp-{name}-{os.getpid()}", durable=True) as tmp:
+        torch.save(training_state, tmp / STATE_FILE)
+        if extra_writer is not None:
+            extra_writer(tmp, draft)
+        files = []
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            files.append({"path": f.relative_to(tmp).as_posix(), "size": f.stat().st_size, "sha256": _sha256(f)})
+        meta = {"step": step, "epoch": epoch, "metrics": metrics, "files": files}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+        (tmp / COMPLETE).write_text("ok\n", encoding="utf-8")
 
     state = read_state(root)
     ranked = best_metric_value(metrics, select_best_by)
@@ -180,7 +148,7 @@ def save_checkpoint(
         state["best_rank"] = ranked[1] if ranked else None
         state["best_metric"] = {ranked[0]: metrics[ranked[0]]} if ranked else None
     state.update({"latest": name, "best": best, "select_best_by": select_best_by})
-    _write_json_atomic(root / "state.json", state)
+    atomic_write_json(root / "state.json", state, indent=2, sort_keys=True, durable=True)
     _prune(root, keep_last=keep_last, keep={name, str(best)})
     return CheckpointInfo(step=step, dir=f"{root.name}/{name}", path=final, files=files, metrics=metrics,
                           is_best=is_best)

@@ -24,7 +24,8 @@ import torch
 
 from peagle.cod.loss import LOSS_EPS, CodMetrics
 from peagle.errors import TrainingInterrupted
-from peagle.model.draft import PEagleDraft, select_attention
+from peagle.model.attention import select_attention
+from peagle.model.draft import PEagleDraft
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import eval_key
 from peagle.train.batch import BatchSource, select_rows

@@ -100,7 +100,7 @@ class RowLazyAdamW(torch.optim.AdamW):
         return id(p) in self._row_lazy
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         """One AdamW step over every parameter with a gradient (same contract as `torch.optim.AdamW`)."""
         loss = None
         if closure is not None:

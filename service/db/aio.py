@@ -11,8 +11,9 @@ same `repo.job_page_select` (one source of truth for the SQL), compiled once per
 on a small psycopg async pool in autocommit mode (one round trip; psycopg prepares it server-side after a
 few runs). SQLite keeps the sync path (there is no async SQLite driver in our dependencies).
 
-A connection that broke (database restart) is discarded by the pool when returned: the request that met
-it answers 500, as on the sync path, and the next one gets a fresh connection.
+A connection that broke (database restart, `pg_terminate_backend`) fails the query: the pool's other
+connections are checked at once (`pool.check()` replaces the broken ones) and the read runs once more, so
+the request still answers 200 (a read is idempotent). Only a second failure reaches the client.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 from typing import Any
 
 import sqlalchemy as sa
+from psycopg import OperationalError
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 
@@ -55,8 +57,16 @@ def _sql(shape: tuple[bool, int, bool, bool, bool]) -> str:
 async def list_jobs(pool: AsyncConnectionPool, query: JobPageQuery) -> tuple[list[dict[str, Any]], bool]:
     """`repo.list_jobs` on the event loop: (a page of job summaries as dicts, has_more)."""
     sql = _sql(query.shape())
+    try:
+        rows = await _fetch(pool, sql, query.params())
+    except OperationalError:  # the database dropped our connections: replace the broken ones, retry once
+        await pool.check()
+        rows = await _fetch(pool, sql, query.params())
+    return job_page(rows, query.limit)
+
+
+async def _fetch(pool: AsyncConnectionPool, sql: str, params: dict[str, Any]) -> list[Any]:
     async with pool.connection() as conn:
         # binary results: timestamps arrive as integers, not text that PostgreSQL formats and we parse
-        cur = await conn.execute(sql, query.params(), binary=True)
-        rows = await cur.fetchall()
-    return job_page(rows, query.limit)
+        cur = await conn.execute(sql, params, binary=True)
+        return await cur.fetchall()

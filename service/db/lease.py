@@ -28,7 +28,9 @@ from sqlalchemy.orm import Session, aliased
 
 from peagle.errors import PeagleError
 from service.db import states
-from service.db.models import Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
+from service.db.events import add_event, event_row, insert_events
+from service.db.models import Checkpoint, Dataset, Job, JobLog, JobMetric, Owner, utcnow
+from service.db.replay import metric_floors, replayed
 
 __all__ = [
     "QUOTA_WAIT",
@@ -46,9 +48,13 @@ __all__ = [
     "finish",
     "heartbeat",
     "ingest",
+    "job_status",
     "queued_jobs",
     "reap_lapsed",
+    "record_task_id",
+    "requeue_crashed",
     "requeue_or_fail",
+    "sent_queued_jobs",
     "unsent_queued_jobs",
 ]
 
@@ -78,8 +84,9 @@ class LeaseLost(PeagleError):
 class Lease:
     """A claim on a job: `owner` + `attempt` are the fencing token of every later write.
 
-    `metric_floor` is the highest metric step stored before this attempt: a resumed trainer replays the
-    steps after its checkpoint, and records with `step <= metric_floor` are dropped (no duplicates).
+    `metric_floor` / `eval_floor` are the highest training / evaluation metric steps stored before this
+    attempt: a resumed trainer replays the steps after its checkpoint, and records with `step <=` the floor
+    of their kind are dropped (no duplicates; dedup is on (step, kind), see `service.db.replay`).
     """
 
     job_id: str
@@ -90,6 +97,7 @@ class Lease:
     spec: dict[str, Any]
     max_restarts: int
     latest_checkpoint_step: int | None
+    eval_floor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,15 +168,8 @@ def add_job_event(session: Session, job_id: str, *, kind: str, message: str, att
                   now: datetime | None = None) -> int:
     """Append one event to a job outside any lease (reaper); returns its seq."""
     now = now or utcnow()
-    seqs = _reserve(session, Job.id == job_id, {"updated_at": now}, events=1)
-    if seqs is None:
-        raise LookupError(f"job {job_id} not found")
-    session.execute(
-        sa.insert(JobEvent),
-        [{"job_id": job_id, "seq": seqs[0], "time": now, "attempt": attempt, "kind": kind, "phase": phase,
-          "message": message, "data": data or {}}],
-    )
-    return seqs[0]
+    return add_event(session, job_id, kind=kind, message=message, attempt=attempt, phase=phase, data=data,
+                     now=now, job_values={"updated_at": now})
 
 
 def _running_of_owner() -> sa.ScalarSelect[int]:
@@ -225,11 +226,11 @@ def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float
             if status == states.QUEUED:
                 raise ConcurrencyLimited(job_id, int(running or 0), max_concurrent)
         return None
-    floor = session.execute(sa.select(sa.func.max(JobMetric.step)).where(JobMetric.job_id == job_id)).scalar()
+    checkpoint = None if row[4] is None else int(row[4])
+    floor, eval_floor = metric_floors(session, job_id, checkpoint)
     return Lease(
-        job_id=job_id, owner=owner, attempt=int(row[0]), metric_floor=None if floor is None else int(floor),
-        queue=str(row[1]), spec=dict(row[2]), max_restarts=int(row[3]),
-        latest_checkpoint_step=None if row[4] is None else int(row[4]),
+        job_id=job_id, owner=owner, attempt=int(row[0]), metric_floor=floor, eval_floor=eval_floor,
+        queue=str(row[1]), spec=dict(row[2]), max_restarts=int(row[3]), latest_checkpoint_step=checkpoint,
     )
 
 
@@ -297,18 +298,45 @@ def expire_lease(session: Session, lease: Lease, *, now: datetime | None = None)
     return bool(getattr(res, "rowcount", 0))
 
 
+def job_status(session: Session, job_id: str) -> str | None:
+    """The job's current status (None: no such job)."""
+    return session.execute(sa.select(Job.status).where(Job.id == job_id)).scalar()
+
+
+def record_task_id(session: Session, job_id: str, task_id: str, *, only_if_unsent: bool = False) -> bool:
+    """Record the broker message sent for a queued job (`only_if_unsent`: unless one is recorded already).
+
+    Returns False when the job is no longer queued (or already had a message, with `only_if_unsent`).
+    """
+    where = sa.and_(Job.id == job_id, Job.status == states.QUEUED)
+    if only_if_unsent:
+        where = sa.and_(where, Job.celery_task_id.is_(None))
+    res = session.execute(sa.update(Job).where(where).values(celery_task_id=task_id)
+                          .execution_options(synchronize_session=False))
+    return bool(getattr(res, "rowcount", 0))
+
+
+def requeue_crashed(session: Session, lease: Lease, *, reason: str, code: str,
+                    now: datetime | None = None) -> ReapAction | None:
+    """The trainer of `lease` died: expire the lease and move the job on at once (`requeue_or_fail`),
+    as the reaper would. None when the lease was already lost."""
+    if not expire_lease(session, lease, now=now):
+        return None
+    job = session.get(Job, lease.job_id)
+    return requeue_or_fail(session, job, reason=reason, code=code, now=now) if job is not None else None
+
+
 def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None = None) -> tuple[int, int, int]:
     """Write one batch of progress in one transaction; returns the job's last (event, metric, log) seqs.
 
-    Metrics with `step <= lease.metric_floor` (replayed by a resumed attempt) are dropped. Checkpoints are
+    Metrics at or below the floor of their kind (replayed by a resumed attempt) are dropped. Checkpoints are
     upserted by step; the job's `latest_checkpoint_step`/`best_checkpoint_step` follow them.
 
     Raises:
         LeaseLost: the lease is no longer ours (nothing was written).
     """
     now = now or utcnow()
-    floor = lease.metric_floor
-    metrics = [m for m in batch.metrics if floor is None or int(m["step"]) > floor]
+    metrics = [m for m in batch.metrics if not replayed(m, lease.metric_floor, lease.eval_floor)]
     values: dict[str, Any] = {"updated_at": now}
     if batch.progress is not None:
         values["progress"] = batch.progress
@@ -331,9 +359,9 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
     jid, att = lease.job_id, lease.attempt
     if batch.events:
         first = ev_last - len(batch.events) + 1
-        session.execute(sa.insert(JobEvent), [
-            {"job_id": jid, "seq": first + i, "time": e.get("time") or now, "attempt": att, "kind": e["kind"],
-             "phase": e.get("phase"), "message": e.get("message") or "", "data": e.get("data") or {}}
+        insert_events(session, [
+            event_row(jid, first + i, attempt=att, kind=e["kind"], message=e.get("message") or "",
+                      phase=e.get("phase"), data=e.get("data"), time=e.get("time") or now)
             for i, e in enumerate(batch.events)
         ])
     if metrics:
@@ -400,7 +428,9 @@ def finish(session: Session, lease: Lease, *, status: str, error_code: str | Non
     """End this attempt: move the job to `status` (terminal, `paused`, or `queued`) and drop the lease.
 
     `event` = (kind, message) is appended in the same transaction. Returns False (and writes nothing)
-    when the lease was lost or the transition is illegal from the job's current status.
+    when the lease was lost or the transition is illegal from the job's current status. `queued` starts
+    a new attempt (`attempt + 1`, no broker message: the reaper sends it); it is never refused for
+    `max_restarts` (only `requeue_or_fail` checks that), but later crash restarts count on from it.
     """
     now = now or utcnow()
     current = session.execute(sa.select(Job.status).where(_fence(lease))).scalar()
@@ -413,17 +443,16 @@ def finish(session: Session, lease: Lease, *, status: str, error_code: str | Non
     }
     if status in states.TERMINAL:
         values["finished_at"] = now
-    if status == states.QUEUED:
+    if status == states.QUEUED:  # requeued (the worker shut down): a new attempt resumes from the checkpoint
         values["queued_at"] = now
         values["celery_task_id"] = None
+        values["attempt"] = Job.attempt + 1
     seqs = _reserve(session, sa.and_(_fence(lease), Job.status == current), values, events=1 if event else 0)
     if seqs is None:
         return False
     if event:
-        session.execute(sa.insert(JobEvent), [
-            {"job_id": lease.job_id, "seq": seqs[0], "time": now, "attempt": lease.attempt, "kind": event[0],
-             "phase": None, "message": event[1], "data": {"status": status}}
-        ])
+        insert_events(session, [event_row(lease.job_id, seqs[0], attempt=lease.attempt, kind=event[0],
+                                          message=event[1], data={"status": status}, time=now)])
     return True
 
 
@@ -473,10 +502,8 @@ def requeue_or_fail(session: Session, job: Job, *, reason: str, code: str = "wor
     seqs = _reserve(session, where, {"status": status, **base}, events=1)
     if seqs is None:
         return None
-    session.execute(sa.insert(JobEvent), [
-        {"job_id": job.id, "seq": seqs[0], "time": now, "attempt": attempt, "kind": kind, "phase": None,
-         "message": message, "data": {"status": status, "checkpoint_step": ck, "reason": reason}}
-    ])
+    insert_events(session, [event_row(job.id, seqs[0], attempt=attempt, kind=kind, message=message, time=now,
+                                      data={"status": status, "checkpoint_step": ck, "reason": reason})])
     return ReapAction(job_id=job.id, queue=job.queue, status=status, attempt=attempt, message=message)
 
 
@@ -516,3 +543,17 @@ def unsent_queued_jobs(session: Session, *, older_than: float, now: datetime | N
         ).order_by(Job.id).limit(limit)
     ).all()
     return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def sent_queued_jobs(session: Session, *, older_than: float, now: datetime | None = None,
+                     limit: int = 1000) -> list[tuple[str, str, str]]:
+    """(id, queue, task id) of queued jobs with a broker message recorded, queued for `older_than` seconds:
+    the reaper checks that their message is still in the broker (`Producer.waiting_task_ids`)."""
+    now = now or utcnow()
+    rows = session.execute(
+        sa.select(Job.id, Job.queue, Job.celery_task_id).where(
+            Job.status == states.QUEUED, Job.celery_task_id.is_not(None),
+            Job.queued_at < now - timedelta(seconds=older_than),
+        ).order_by(Job.id).limit(limit)
+    ).all()
+    return [(str(r[0]), str(r[1]), str(r[2])) for r in rows]

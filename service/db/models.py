@@ -1,6 +1,6 @@
 """SQLAlchemy 2 models of the service (the schema itself is created ONLY by Alembic migrations).
 
-Tables and column names are a cross-area contract (`service_contract.md`): the API, the worker's
+Tables and column names are a cross-area contract (this module and `migrations/versions/`; overview in docs/service.md): the API, the worker's
 lease/ingest code (`service/db/lease.py`) and the migrations all use them. Timestamps are timezone-aware
 UTC (`UTCDateTime` restores the zone on SQLite, which stores naive values).
 """
@@ -17,6 +17,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 __all__ = [
     "ApiKey",
+    "AuthSession",
     "Base",
     "Checkpoint",
     "Dataset",
@@ -254,6 +255,18 @@ class Dataset(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class AuthSession(Base):
+    """A browser session (`POST /v1/auth/session`): the cookie names it; sign-out sets `revoked_at`."""
+
+    __tablename__ = "auth_session"
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("ses"))
+    key_id: Mapped[int] = mapped_column(sa.ForeignKey("api_key.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
 class WebhookEndpoint(Base):
     """An owner's webhook receiver: URL, subscribed event types and the signing secret (`whsec_...`)."""
 
@@ -265,7 +278,7 @@ class WebhookEndpoint(Base):
     url: Mapped[str] = mapped_column(sa.String(2048))
     description: Mapped[str] = mapped_column(sa.String(500), default="")
     events: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
-    secret: Mapped[str] = mapped_column(sa.String(100))
+    secret: Mapped[str] = mapped_column(sa.String(255))  # encrypted (service/crypto.py); legacy rows plaintext
     start_event_id: Mapped[int] = mapped_column(sa.Integer, default=0)  # job events up to this id predate it
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -14,13 +14,14 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from service.db import states
+from service.db.events import add_event
 from service.db.models import ApiKey, Checkpoint, Dataset, Job, JobEvent, JobLog, JobMetric, Owner, utcnow
 
 __all__ = [
@@ -121,7 +122,7 @@ def revoke_key(session: Session, prefix: str) -> bool:
     res = session.execute(
         sa.update(ApiKey).where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None)).values(revoked_at=utcnow())
     )
-    return bool(res.rowcount)
+    return bool(cast("sa.CursorResult[Any]", res).rowcount)  # an UPDATE answers with a CursorResult
 
 
 def get_job(session: Session, owner_id: int, job_id: str, *, lock: bool = False) -> Job | None:
@@ -157,21 +158,14 @@ def queue_position(session: Session, queue: str, job_id: str | None = None) -> i
 
 def add_job_event(
     session: Session, job: Job, kind: str, message: str, *, data: dict[str, Any] | None = None
-) -> JobEvent:
-    """Append one API-side event (seq assigned by `UPDATE job SET event_seq = event_seq + 1`)."""
-    seq = session.scalar(
-        sa.update(Job).where(Job.id == job.id).values(event_seq=Job.event_seq + 1).returning(Job.event_seq)
-    )
-    ev = JobEvent(
-        job_id=job.id, seq=int(seq or 0), attempt=job.attempt, kind=kind, phase=job.phase,
-        message=message, data=data or {},
-    )
-    session.add(ev)
-    job.event_seq = int(seq or 0)
-    return ev
+) -> int:
+    """Append one API-side event to `job` (at its attempt and phase); returns its seq (`job.event_seq`)."""
+    seq = add_event(session, job.id, kind=kind, message=message, attempt=job.attempt, phase=job.phase, data=data)
+    job.event_seq = seq
+    return seq
 
 
-#: What a job in a list shows (`api.routes.jobs.job_out(full=False)`): fewer columns, less per-row work.
+#: The columns a job in a list shows (`api.schemas.job_public(row, full=False)` reads exactly these).
 SUMMARY_COLUMNS = ("id", "name", "tags", "status", "phase", "desired_state", "progress", "attempt", "queue",
                    "error_code", "error_message", "error_retryable", "best_checkpoint_step",
                    "latest_checkpoint_step", "created_at", "queued_at", "started_at", "finished_at", "updated_at")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from peagle.errors import PeagleError
 
 __all__ = [
+    "ACTIONS",
     "ACTIVE",
     "ALL_STATES",
     "CANCELLED",
@@ -30,6 +31,7 @@ __all__ = [
     "TRANSITIONS",
     "IllegalTransition",
     "action_target",
+    "actions_in",
     "can_transition",
     "check_transition",
 ]
@@ -72,6 +74,8 @@ _ACTIONS: dict[str, dict[str, str]] = {
     "pause": {QUEUED: PAUSED, RUNNING: PAUSING, PAUSING: PAUSING, PAUSED: PAUSED},
     "resume": {PAUSED: QUEUED, QUEUED: QUEUED, RUNNING: RUNNING},
 }
+#: The user actions that go through the state machine (`action_target`).
+ACTIONS = tuple(_ACTIONS)
 
 
 class IllegalTransition(PeagleError):
@@ -114,3 +118,8 @@ def action_target(action: str, current: str) -> str:
     if target != current:
         check_transition(current, target)
     return target
+
+
+def actions_in(current: str) -> list[str]:
+    """The user actions that change a job in `current` (idempotent repeats and illegal ones left out)."""
+    return [a for a in ACTIONS if _ACTIONS[a].get(current, current) != current]

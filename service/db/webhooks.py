@@ -13,6 +13,10 @@ Signing follows Standard Webhooks (https://www.standardwebhooks.com): headers `w
 `webhook-timestamp` (unix seconds) and `webhook-signature: v1,<base64 HMAC-SHA256 of
 "{id}.{timestamp}.{body}">`, keyed by the base64-decoded part of the `whsec_...` secret.
 
+Secrets are stored encrypted (`secret_box`: AES-GCM under a key HKDF-derived from `secret_key`, bound to
+the endpoint id); plaintext rows from before migration 0003, and rows under `secret_key_previous`, are
+re-encrypted under the current key when `claim_due` reads them.
+
 No FastAPI and no HTTP client here (the worker's dispatcher does the sending).
 """
 
@@ -30,8 +34,10 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.crypto import SecretBox, SecretError
 from service.db import states
 from service.db.models import Job, JobEvent, WebhookDelivery, WebhookEndpoint, new_id, utcnow
+from service.settings import Settings
 
 __all__ = [
     "EVENT_TYPES",
@@ -44,6 +50,9 @@ __all__ = [
     "new_secret",
     "record_attempt",
     "retry_delay",
+    "rewrap_secrets",
+    "seal",
+    "secret_box",
     "sign",
 ]
 
@@ -64,6 +73,35 @@ _TERMINAL_TYPE = {states.SUCCEEDED: "job.succeeded", states.FAILED: "job.failed"
 def new_secret() -> str:
     """A fresh signing secret: `whsec_` + base64 of 24 random bytes."""
     return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+def secret_box(settings: Settings) -> SecretBox:
+    """The box that encrypts webhook secrets (current key; `secret_key_previous` accepted for reading)."""
+    return SecretBox(settings.secret_key, [settings.secret_key_previous], info=b"peagle webhook secret v1")
+
+
+def seal(box: SecretBox, endpoint_id: str, secret: str) -> str:
+    """The stored form of `secret` for endpoint `endpoint_id`."""
+    return box.encrypt(secret, aad=endpoint_id.encode())
+
+
+def rewrap_secrets(session: Session, box: SecretBox) -> int:
+    """Re-encrypt every plaintext or old-key secret under the current key (commits); returns how many."""
+    rows = session.execute(sa.select(WebhookEndpoint.id, WebhookEndpoint.secret)).all()
+    done = 0
+    for wid, stored in rows:
+        done += _rewrap(session, box, str(wid), str(stored))
+    session.commit()
+    return done
+
+
+def _rewrap(session: Session, box: SecretBox, wid: str, stored: str) -> int:
+    if not box.needs_rewrap(stored):
+        return 0
+    fresh = seal(box, wid, box.decrypt(stored, aad=wid.encode()))
+    res = session.execute(sa.update(WebhookEndpoint).where(WebhookEndpoint.id == wid, WebhookEndpoint.secret == stored)
+                          .values(secret=fresh).execution_options(synchronize_session=False))
+    return int(getattr(res, "rowcount", 0) or 0)
 
 
 def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
@@ -177,25 +215,25 @@ class Claimed:
 
     id: str
     url: str
-    secret: str
+    secret: str | None  # None: it could not be decrypted (the delivery fails with `secret_unavailable`)
     payload: dict[str, Any]
     attempts: int
 
 
-def claim_due(session: Session, *, hold_seconds: float, limit: int = 32, now: datetime | None = None
-              ) -> list[Claimed]:
+def claim_due(session: Session, *, hold_seconds: float, box: SecretBox, limit: int = 32,
+              now: datetime | None = None) -> list[Claimed]:
     """Claim pending deliveries that are due (their `next_attempt_at` moves `hold_seconds` ahead, so a
-    dispatcher that dies mid-send leaves them to be retried). Commits."""
+    dispatcher that dies mid-send leaves them to be retried), with their secrets decrypted. Commits."""
     now = now or utcnow()
     rows = session.execute(
         sa.select(WebhookDelivery.id, WebhookDelivery.next_attempt_at, WebhookDelivery.attempts,
-                  WebhookDelivery.payload, WebhookEndpoint.url, WebhookEndpoint.secret)
+                  WebhookDelivery.payload, WebhookEndpoint.url, WebhookEndpoint.secret, WebhookEndpoint.id)
         .join(WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
         .where(WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= now)
         .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id).limit(limit)
     ).all()
     out = []
-    for msg_id, due, attempts, payload, url, secret in rows:
+    for msg_id, due, attempts, payload, url, stored, wid in rows:
         res = session.execute(
             sa.update(WebhookDelivery)
             .where(WebhookDelivery.id == msg_id, WebhookDelivery.status == PENDING,
@@ -204,7 +242,12 @@ def claim_due(session: Session, *, hold_seconds: float, limit: int = 32, now: da
             .execution_options(synchronize_session=False)
         )
         if getattr(res, "rowcount", 0):
-            out.append(Claimed(str(msg_id), str(url), str(secret), dict(payload), int(attempts)))
+            try:
+                secret: str | None = box.decrypt(str(stored), aad=str(wid).encode())
+                _rewrap(session, box, str(wid), str(stored))
+            except SecretError:
+                secret = None
+            out.append(Claimed(str(msg_id), str(url), secret, dict(payload), int(attempts)))
     session.commit()
     return out
 
@@ -230,12 +273,12 @@ def record_attempt(session: Session, msg_id: str, *, ok: bool, status_code: int 
     return status
 
 
-def endpoint_out(ep: WebhookEndpoint, *, secret: bool = False) -> dict[str, Any]:
-    """Public form of an endpoint (the secret only when just created)."""
+def endpoint_out(ep: WebhookEndpoint, *, secret: str | None = None) -> dict[str, Any]:
+    """Public form of an endpoint (the plaintext `secret` only when just created)."""
     out: dict[str, Any] = {"id": ep.id, "object": "webhook_endpoint", "url": ep.url, "events": list(ep.events or []),
                            "description": ep.description, "created_at": ep.created_at}
     if secret:
-        out["secret"] = ep.secret
+        out["secret"] = secret
     return out
 
 

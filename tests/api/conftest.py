@@ -67,7 +67,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def make_settings(tmp_path: Path, db_url: str, **over: Any) -> Settings:
     kw: dict[str, Any] = dict(home=tmp_path / "home", database_url=db_url, embedded=False,
                               artifact_root=tmp_path / "artifacts", dataset_root=tmp_path / "datasets",
-                              secret_key="test-secret")
+                              secret_key="test-secret-key-of-at-least-32-characters")
     kw.update(over)
     return get_settings(**kw)
 

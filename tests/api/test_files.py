@@ -74,7 +74,8 @@ def test_archive_is_deterministic_and_ranged(client: TestClient, alice: dict, si
     serve = client.get(f"/v1/jobs/{jid}/checkpoints/4/serve", headers=alice).json()
     assert serve["command"].startswith("vllm serve ") and serve["speculative_config"]["num_speculative_tokens"] == 3
     assert "t/v" in serve["long_command"] and '"parallel_drafting": true' in serve["long_command"]
-    tok = client.post("/v1/auth/stream-token", headers=alice).json()["token"]
+    tok = client.post("/v1/auth/stream-token", json={"job_id": jid, "purpose": "download"},
+                      headers=alice).json()["token"]
     assert client.get(f"{url}?token={tok}").content == a.content
     # the optimizer state only on request (walk-through: a 70 MB draft came as a 509 MB archive)
     full = client.get(f"{url}?training_state=true", headers=alice)

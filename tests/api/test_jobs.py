@@ -211,12 +211,12 @@ def test_browser_session_and_stream_token(client: TestClient, sim: Sim, submit: 
     r = client.post("/v1/auth/session", json={"api_key": key})
     assert r.status_code == 200 and "httponly" in r.headers["set-cookie"].lower()
     assert client.get("/v1/jobs").status_code == 200  # cookie
-    tok = client.post("/v1/auth/stream-token").json()["token"]
+    jid = submit(client, {"Authorization": f"Bearer {key}"})["id"]
+    tok = client.post("/v1/auth/stream-token", json={"job_id": jid}).json()["token"]
     client.delete("/v1/auth/session")
     client.cookies.clear()
     assert client.get("/v1/jobs").status_code == 401
     assert client.post("/v1/auth/session", json={"api_key": key + "x"}).status_code == 401
-    jid = submit(client, {"Authorization": f"Bearer {key}"})["id"]
     assert client.get(f"/v1/jobs/{jid}/events?token={tok}").status_code == 401  # token only on streams
     sim.set(jid, status="succeeded")
     with client.stream("GET", f"/v1/jobs/{jid}/events/stream?token={tok}") as s:

@@ -18,7 +18,8 @@ def smollm2_export(smollm2_path, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from peagle.export.writer import export_draft
-    from peagle.model.draft import DraftConfig, PEagleDraft, init_from_target
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target
 
     if vllm_python() is None:
         # a built venv that is not found is a bug (it hid a wrong repo root once): never a skip

@@ -194,7 +194,7 @@ def test_build_command_uses_torchrun_for_several_gpus(tmp_path):
     spec = preset("tiny").model_dump(mode="json")
     one = build_command(Settings(), spec, tmp_path / "s.json", tmp_path)
     assert one[1:4] == ["-m", "peagle", "train"] and one[-2:] == ["--resume", "auto"]
-    spec["resources"].update(gpus=4)
+    spec["resources"].update(gpus=4, device="cuda")  # a valid spec: the supervisor parses it into a TrainSpec
     multi = build_command(Settings(), spec, tmp_path / "s.json", tmp_path)
     assert multi[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=4" in multi
     assert multi[multi.index("--module") + 1] == "peagle"

@@ -33,7 +33,8 @@ def test_worker_job_triggers_webhooks(make_stack, backend, spec_for):
             secret = ep.secret
         stack.start_worker()
         stack._spawn(["-m", "worker.reaper", "--interval", "0.5"], "reaper",
-                     {"PEAGLE_WEBHOOK_POLL_SECONDS": "0.1", "PEAGLE_WEBHOOK_RETRY_BASE_SECONDS": "0.2"})
+                     {"PEAGLE_WEBHOOK_POLL_SECONDS": "0.1", "PEAGLE_WEBHOOK_RETRY_BASE_SECONDS": "0.2",
+                      "PEAGLE_WEBHOOK_ALLOW_HOSTS": "127.0.0.1"})  # the receiver is on loopback
         job_id = stack.submit(spec_for(steps=8, every=4))
         assert stack.wait_status(job_id, "succeeded", "failed", timeout=90).status == "succeeded"
 

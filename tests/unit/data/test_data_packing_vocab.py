@@ -1,4 +1,4 @@
-"""Packing (deterministic, document ids), the shift of decision 1, draft vocab and mask token."""
+"""Packing (deterministic, document ids), the shift of docs/decisions.md decision 1, draft vocab and mask token."""
 
 from __future__ import annotations
 

@@ -95,3 +95,14 @@ def test_compose_validation_catches_a_broken_file(tmp_path: Path) -> None:
     bad.write_text((ROOT / "docker-compose.yml").read_text().replace("healthcheck:", "healthchek:"))
     out = _config(bad)
     assert out.returncode != 0 and "healthchek" in out.stderr + out.stdout
+
+
+def test_image_carries_every_package() -> None:
+    """The Dockerfile copies each package the project installs (a new one was missed once: `service`)."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    for pattern in include:
+        name = pattern.rstrip("*")
+        assert name in copied, f"Dockerfile does not COPY {name}/"

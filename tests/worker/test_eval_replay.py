@@ -1,0 +1,110 @@
+"""Issue 19: an eval metric recorded at a checkpoint step survives a crash at that step (replay dedup is on
+(step, kind), not on the step alone). Real SQLite database, real collector, ingest and supervisor backfill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from peagle.spec import preset
+from service.db import lease as L
+from service.db.models import Job, JobMetric, Owner, utcnow
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.settings import get_settings
+from worker.progress import ProgressCollector
+from worker.supervisor import Supervisor
+
+STEP = 4  # the checkpoint step at which the attempt crashes
+EVAL = {"type": "event", "kind": "eval", "step": STEP, "metrics": {"eval_loss": 0.5, "acceptance_length": 2.5}}
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Any:
+    from service.db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+def _train_records() -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = [{"type": "metric", "step": i, "epoch": 0.1 * i, "values": {"loss": 1.0 / i}}
+                                  for i in range(1, STEP + 1)]
+    recs.append({"type": "event", "kind": "checkpoint", "step": STEP, "dir": f"checkpoints/step_{STEP:06d}"})
+    return recs
+
+
+def _crashed_job(factory: sessionmaker[Session]) -> str:
+    """Attempt 0 stored metrics 1..STEP and the checkpoint at STEP, then died before its eval was stored."""
+    with session_scope(factory) as s:
+        owner = Owner(name="t")
+        s.add(owner)
+        s.flush()
+        job = Job(owner_id=owner.id, spec=preset("tiny").model_dump(mode="json"), status="queued", progress={},
+                  max_restarts=2, queue="cpu", queued_at=utcnow())
+        s.add(job)
+        s.flush()
+        job_id = job.id
+    with session_scope(factory) as s:
+        lease = L.claim_job(s, job_id, owner="w1", lease_seconds=60, artifact_dir="/tmp/x")
+    collector = ProgressCollector()
+    for rec in _train_records():
+        collector.add(rec)
+    with session_scope(factory) as s:
+        L.ingest(s, lease, collector.take())
+        L.expire_lease(s, lease)
+    with session_scope(factory) as s:
+        assert [a.status for a in L.reap_lapsed(s)] == ["queued"]
+    return job_id
+
+
+def _metric_rows(factory: sessionmaker[Session], job_id: str) -> list[tuple[int, dict[str, float]]]:
+    with factory() as s:
+        rows = s.scalars(sa.select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.seq)).all()
+    return [(m.step, dict(m.values)) for m in rows]
+
+
+def test_eval_at_the_crash_step_replayed_by_the_resumed_trainer_is_stored(factory: Any) -> None:
+    job_id = _crashed_job(factory)
+    with session_scope(factory) as s:
+        lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir="/tmp/x")
+    collector = ProgressCollector()
+    # the resumed trainer re-evaluates its checkpoint, replays the training step, then goes on
+    for rec in [EVAL, {"type": "metric", "step": STEP, "epoch": 0.4, "values": {"loss": 1.0 / STEP}},
+                {"type": "metric", "step": STEP + 1, "epoch": 0.5, "values": {"loss": 0.2}}]:
+        collector.add(rec)
+    with session_scope(factory) as s:
+        L.ingest(s, lease, collector.take())
+    rows = _metric_rows(factory, job_id)
+    assert [step for step, _ in rows] == [1, 2, 3, 4, 4, 5]  # the eval at 4 kept, the replayed loss at 4 not
+    assert rows[4][1] == {"eval_loss": 0.5, "acceptance_length": 2.5}
+
+
+def test_eval_at_the_crash_step_recovered_from_progress_jsonl_is_stored(factory: Any, tmp_path: Path) -> None:
+    job_id = _crashed_job(factory)
+    settings = get_settings(home=tmp_path / "home", artifact_root=tmp_path / "artifacts",
+                            database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    run = settings.resolved_artifact_root() / job_id
+    run.mkdir(parents=True)
+    # what attempt 0 printed (and appended to RUN/progress.jsonl) before it died: the eval was never flushed
+    (run / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*_train_records(), EVAL]))
+    with session_scope(factory) as s:
+        lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir=str(run))
+    sup = Supervisor(settings, factory, lease)
+    sup._backfill()
+    rows = _metric_rows(factory, job_id)
+    assert [step for step, _ in rows] == [1, 2, 3, 4, 4]
+    assert rows[4][1] == {"eval_loss": 0.5, "acceptance_length": 2.5}
+    # the resumed trainer's replays of both kinds are then dropped
+    sup.collector.add(EVAL)
+    sup.collector.add({"type": "metric", "step": STEP, "epoch": 0.4, "values": {"loss": 1.0 / STEP}})
+    with session_scope(factory) as s:
+        L.ingest(s, sup.lease, sup.collector.take())
+    assert len(_metric_rows(factory, job_id)) == 5
