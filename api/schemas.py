@@ -251,6 +251,8 @@ class CheckpointOut(BaseModel):
     created_at: datetime
     archive_url: str
     serve_url: str
+    folder: str = Field(description="What the archive unpacks to (`<folder>/config.json`, ...) and "
+                        "`peagle jobs download` writes by default; the serve command names it.")
 
 
 class CheckpointList(BaseModel):
@@ -259,24 +261,54 @@ class CheckpointList(BaseModel):
 
 
 class ServeCommand(BaseModel):
-    command: str = Field(description="Short form: the draft dir's config names the verifier.")
-    long_command: str = Field(description="Explicit target + --speculative-config.")
+    command: str = Field(description="Short form, run beside the unpacked archive (`./<model_dir>`): the draft's "
+                         "config.json names the verifier.")
+    long_command: str = Field(description="Explicit verifier (a hub id, never a server path) + --speculative-config.")
     speculative_config: dict[str, Any]
-    model_dir: str
+    model_dir: str = Field(description="The folder the archive unpacks to; `peagle jobs download`'s default --out.")
+    note: str | None = Field(default=None, description="Set when the verifier is not loadable by name elsewhere "
+                             "(`builtin:tiny-llama`, random weights with no hub copy): what to do instead.")
+
+
+class Funnel(BaseModel):
+    """The data funnel (`peagle.spec.funnel`; the same keys in the dry run, the job's `data` event and the
+    dataset report): read -> kept (+ dropped, each under one reason) -> held out -> packed rows -> tokens."""
+
+    read: int = Field(description="Conversations (rows) read from the sources.")
+    kept: int = Field(description="Conversations that passed every check.")
+    dropped: int = Field(description="read - kept.")
+    dropped_by_reason: dict[str, int] = Field(description="Reason -> conversations; sums to `dropped`.")
+    held_out: int = Field(description="Kept conversations held out for evaluation (`data.eval_samples`).")
+    train_conversations: int
+    packed_rows: int | None = Field(description="Training rows after packing (null: not known here).")
+    train_tokens: int | None = Field(description="Tokens in the training rows (null: not known here).")
+    truncated: int | None = Field(description="Kept conversations cut at `data.max_length` (null: not known).")
+    estimated: bool = Field(description="True in the dry run (an estimate), false when counted.")
 
 
 class Estimate(BaseModel):
     """`?dry_run=true`: what the job would cost, without queuing it."""
 
     object: Literal["estimate"] = "estimate"
-    valid: bool = True
+    valid: bool = Field(default=True, description="False when `problems` is not empty: submitting would be a 422.")
+    problems: list[ErrorDetail] = Field(default_factory=list, description="What would stop the job before it is "
+                                        "queued (a dataset not `ready`, no usable row, a missing model folder).")
     spec: dict[str, Any]
     rows: int = Field(description="Conversations used (estimated when the source size is unknown).")
     tokens: int = Field(description="Training tokens after templating (estimate).")
     optimizer_steps: int
     tokens_per_step: int
     hidden_state_bytes: int = Field(description="Disk for offline target features (0 for online capture).")
-    wall_clock_seconds: float = Field(description="Rough wall-clock estimate on the requested device.")
+    wall_clock_seconds: float = Field(description="Wall-clock estimate on the requested device (sum of "
+                                      "`phase_seconds`).")
+    wall_clock_range_seconds: list[float] = Field(description="[low, high]: the range `accuracy` states.")
+    phase_seconds: dict[str, float] = Field(description="Seconds per phase: preparing_data, capturing, training, "
+                                            "evaluating, exporting (export + serve check).")
+    basis: Literal["history", "model"] = Field(description="history: scaled by earlier jobs on this queue and "
+                                               "device class; model: the calibrated model alone.")
+    history_jobs: int = Field(description="Earlier jobs the estimate is measured from.")
+    accuracy: str = Field(description="How far to trust the estimate, and why.")
+    funnel: Funnel
     queue: str
     queue_position: int = Field(description="Jobs queued ahead on that queue.")
     notes: list[str]
@@ -312,6 +344,8 @@ class MetaOut(BaseModel):
         description="Allowed values of each enumerated spec field, by JSON pointer (`*` = any array index).")
     suggestions: dict[str, list[str]] = Field(description="Built-in values offered for free-text spec fields.")
     metric_keys: dict[str, str] = Field(description="Named metric keys and key prefixes (`acc_`, `eval_`, ...).")
+    funnel_reasons: dict[str, str] = Field(description="Why a conversation is dropped from the data funnel: "
+                                           "reason key -> sentence (`peagle.spec.funnel`).")
 
 
 class SessionCreate(BaseModel):

@@ -14,9 +14,14 @@ export class MetricStore {
     this.version = 0;
   }
 
-  /** Append one point {step, time, values}; points at or before the last step are ignored (replays). */
+  /**
+   * Append one point {step, time, values}. A point at the last step is merged into it: evaluation
+   * results (eval_*, measured AL) are stored as their own record at the training step they follow.
+   * Points before the last step are ignored (replays).
+   */
   add(p) {
-    if (p.step === undefined || p.step === null || p.step <= this.lastStep) return false;
+    if (p.step === undefined || p.step === null || p.step < this.lastStep) return false;
+    if (p.step === this.lastStep) return this.merge(p.values || {});
     const n = this.step.length;
     this.step.push(p.step);
     this.time.push(typeof p.time === "number" ? p.time : Date.parse(p.time) / 1000);
@@ -42,6 +47,20 @@ export class MetricStore {
       for (const [k, col] of old.cols) if (col[i] !== null) values[k] = col[i];
       this.add({ step: old.step[i], time: old.time[i], values });
     }
+  }
+
+  /** Add `values` to the last point; a later measurement of a key wins (a replay changes nothing). */
+  merge(values) {
+    const n = this.step.length;
+    let changed = false;
+    for (const [k, v] of Object.entries(values)) {
+      if (typeof v !== "number" || !isFinite(v)) continue;
+      let col = this.cols.get(k);
+      if (!col) { col = new Array(n).fill(null); this.cols.set(k, col); }
+      if (col[n - 1] !== v) { col[n - 1] = v; changed = true; }
+    }
+    if (changed) this.version++;
+    return changed;
   }
 
   keys() { return [...this.cols.keys()]; }
@@ -82,6 +101,9 @@ function fmtTick(v) {
   if (a < 1e-3 || a >= 1e6) return v.toExponential(1);
   return String(+v.toPrecision(3));
 }
+
+/** Tick spacings of a step axis: whole numbers only. */
+export const STEP_INCRS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6, 1e7].map((p) => m * p)).sort((a, b) => a - b);
 
 function fmtElapsed(s) {
   if (s < 60) return `${Math.round(s)}s`;
@@ -161,7 +183,10 @@ export class LineChart {
         })),
       ],
       axes: [
-        { stroke: "#5d6675", grid: { stroke: "#eef0f3" }, values: xMode === "elapsed" ? (u, vs) => vs.map(fmtElapsed) : undefined },
+        xMode === "step"
+          // steps are whole numbers: integer tick spacing only (no 0.5 ticks early in a run)
+          ? { stroke: "#5d6675", grid: { stroke: "#eef0f3" }, incrs: STEP_INCRS, values: (u, vs) => vs.map((v) => (Number.isInteger(v) ? String(v) : "")) }
+          : { stroke: "#5d6675", grid: { stroke: "#eef0f3" }, values: xMode === "elapsed" ? (u, vs) => vs.map(fmtElapsed) : undefined },
         { stroke: "#5d6675", grid: { stroke: "#eef0f3" }, size: 56, values: (u, vs) => vs.map(fmtTick) },
       ],
     };

@@ -34,7 +34,7 @@ async function buildPicker() {
     jobs.length ? h("div", { class: "form-grid" }, jobs.map((j) => {
       const cb = h("input", { type: "checkbox", checked: chosen.has(j.id), "aria-label": `compare ${j.name || j.id}` });
       cb.addEventListener("change", () => { cb.checked ? chosen.add(j.id) : chosen.delete(j.id); update(); });
-      return h("label", { style: { display: "flex", gap: "6px", alignItems: "center", color: "var(--ink)" } }, cb, statusChip(j.status), h("span", {}, j.name || j.id));
+      return h("label", { class: "pick", title: j.name || j.id }, cb, statusChip(j.status), h("span", { class: "pick-name" }, j.name || j.id));
     })) : h("div", { class: "empty" }, "No jobs yet."),
     h("div", { class: "toolbar", style: { marginTop: "12px" } }, go, h("span", { class: "sub" }, "2 to 4 jobs")));
   update();
@@ -119,8 +119,18 @@ function flatten(obj, prefix = "", out = {}) {
   return out;
 }
 
+/**
+ * One row per field of the submitted specs (what the user wrote, defaults filled in). Where the run
+ * resolved a field to another value (an "auto", or optim.max_steps capped by the data), the cell says
+ * both: `12 (resolved: 9)`.
+ */
 function renderDiff() {
-  const flats = runs.map((r) => flatten(r.job.resolved_spec || r.job.spec));
+  const specs = runs.map((r) => flatten(r.job.spec || {}));
+  const resolved = runs.map((r) => flatten(r.job.resolved_spec || {}));
+  const flats = specs.map((f, i) => Object.fromEntries(Object.entries(f).map(([k, v]) => {
+    const got = resolved[i][k];
+    return [k, got !== undefined && got !== v ? `${v} (resolved: ${got})` : v];
+  })));
   const keys = [...new Set(flats.flatMap(Object.keys))].sort();
   const differs = (k) => new Set(flats.map((f) => f[k])).size > 1;
   const tbody = h("tbody");

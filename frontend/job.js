@@ -2,6 +2,7 @@
 import { actionAllowed, api, isTerminal, loadMeta, openStream } from "./api.js";
 import { LineChart, linesFor, MetricStore, PALETTE, throttle } from "./charts.js";
 import { renderCheckpoints } from "./checkpoints.js";
+import { renderJobFunnel } from "./funnel.js";
 import { CHARTS } from "./metrics.js";
 import { $, confirmDialog, fmtAgo, fmtDuration, fmtTime, h, mountTopbar, progressBar, showError, statusChip, tagList, toast } from "./ui.js";
 
@@ -23,7 +24,7 @@ let ckSig = "";
 let xMode = "step";
 let smoothing = 0.6;
 
-window.__peagle = { store, ready: false, firstRenderMs: null }; // read by the browser tests
+window.__peagle = { store, charts, ready: false, firstRenderMs: null }; // read by the browser tests
 
 // ---------------------------------------------------------------- header + actions
 const ACTIONS = [
@@ -87,7 +88,9 @@ async function act_(act, text, question) {
 function renderTimeline() {
   const firstSeen = {};
   for (const e of events) if (e.kind === "phase" && e.phase && !(e.phase in firstSeen)) firstSeen[e.phase] = e.time;
-  const cur = job.status === "succeeded" ? "done" : job.phase;
+  // A failure sits under the phase its error was reported in (the job row may have moved on since).
+  const errAt = job.status === "failed" ? [...events].reverse().find((e) => e.kind === "error" && PHASES.includes(e.phase)) : null;
+  const cur = job.status === "succeeded" ? "done" : errAt ? errAt.phase : job.phase;
   const curIdx = PHASES.indexOf(cur);
   // A phase the pipeline passed over (e.g. the vLLM serve check when the spec did not ask for it) has no
   // event of its own while a later phase has one: it is shown as skipped, not as done.
@@ -122,11 +125,22 @@ function buildCharts() {
 
 function drawCharts() {
   const all = store.keys();
+  // A job that has ended draws only the charts it has points for; none at all = one line saying why.
+  const ended = !!job && isTerminal(META, job.status);
+  let drawn = 0;
   for (const c of CHARTS) {
     const keys = typeof c.keys === "function" ? c.keys(all) : c.keys;
     const color = c.id === "acc" ? (k, i) => PALETTE[i % PALETTE.length] : undefined;
-    charts.get(c.id).set(linesFor(store, keys, { xMode, smoothing, color }), xMode);
+    const lines = linesFor(store, keys, { xMode, smoothing, color });
+    charts.get(c.id).set(lines, xMode);
+    const has = lines.some((l) => l.y.some((v) => v !== null));
+    if (has) drawn++;
+    document.querySelector(`#charts [data-chart="${c.id}"]`).hidden = ended && !has;
   }
+  const note = $("#charts-none");
+  note.hidden = !(ended && drawn === 0);
+  note.textContent = `No metrics: the job ${job?.status || "ended"} before its first training step` +
+    (job?.phase ? ` (in phase ${job.phase.replace(/_/g, " ")}).` : ".");
   const rendered = document.querySelectorAll("#charts .uplot").length;
   $("#charts").dataset.points = String(store.length);
   $("#charts").dataset.rendered = String(rendered);
@@ -222,6 +236,7 @@ function renderEvents() {
     ? h("table", {}, h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "time"), h("th", { scope: "col" }, "kind"), h("th", { scope: "col" }, "what"))),
       h("tbody", {}, shown.map((e) => h("tr", {}, h("td", { class: "sub" }, fmtTime(e.time)), h("td", {}, e.kind), h("td", {}, describeEvent(e))))))
     : h("div", { class: "empty" }, "No events yet."));
+  renderJobFunnel(events);
 }
 const redrawEvents = throttle(() => { renderEvents(); renderTimeline(); }, 300);
 
@@ -243,7 +258,7 @@ async function refreshCheckpoints() {
     const res = await api(`/v1/jobs/${encodeURIComponent(jobId)}/checkpoints`);
     if (mine !== ckRequest) return;
     const cks = res.data || res;
-    const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete, c.tau_sim, c.acceptance_length]));
+    const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete, c.tau_sim, c.acceptance_length, c.metrics?.vllm_acceptance_length, c.metrics?.eval_loss]));
     if (sig === ckSig) return;
     ckSig = sig;
     renderCheckpoints($("#checkpoints"), job, cks);
@@ -263,6 +278,7 @@ async function refreshJob() {
     renderTimeline();
     if (!prev || prev.latest_checkpoint_step !== job.latest_checkpoint_step || prev.best_checkpoint_step !== job.best_checkpoint_step) refreshCheckpoints();
     $("#spec").textContent = JSON.stringify({ resolved_spec: job.resolved_spec || null, spec: job.spec, provenance: job.provenance || null }, null, 2);
+    if (isTerminal(META, job.status) && !(prev && isTerminal(META, prev.status)) && window.__peagle.ready) drawCharts();
   } catch (e) {
     if (!job) throw e;
   }

@@ -46,6 +46,7 @@ function render() {
     return;
   }
   const rows = visible.map((j) => {
+    // (headline: the job's latest measured AL, else its best checkpoint's held-out tau_sim)
     const cb = h("input", { type: "checkbox", "aria-label": `select ${j.name || j.id} for comparison`, checked: selected.has(j.id) });
     cb.addEventListener("change", () => { cb.checked ? selected.add(j.id) : selected.delete(j.id); updateCompare(); });
     return h("tr", { dataset: { id: j.id } },
@@ -54,11 +55,12 @@ function render() {
       h("td", { "data-label": "Status" }, statusChip(j.status)),
       h("td", { "data-label": "Phase" }, j.phase || "—"),
       h("td", { "data-label": "Progress" }, progressBar(j.progress, j.status)),
+      h("td", { class: "headline", "data-label": "AL / best" }, headline(j.progress)),
       h("td", { "data-label": "Tags" }, tagList(j.tags)),
       h("td", { "data-label": "Created", title: j.created_at }, fmtAgo(j.created_at)));
   });
   const table = h("table", { class: "jobs cards" },
-    h("thead", {}, h("tr", {}, ["", "Job", "Status", "Phase", "Progress", "Tags", "Created"].map((t) => h("th", { scope: "col" }, t)))),
+    h("thead", {}, h("tr", {}, ["", "Job", "Status", "Phase", "Progress", "AL / best", "Tags", "Created"].map((t) => h("th", { scope: "col" }, t)))),
     h("tbody", {}, rows));
   box.replaceChildren(h("div", { class: "panel table-wrap cards-panel" }, table));
 }
@@ -99,3 +101,19 @@ document.addEventListener("visibilitychange", () => { if (!document.hidden) load
 box.replaceChildren(h("div", { class: "empty" }, "Loading jobs…"));
 updateCompare();
 load();
+
+/** The job's headline number from `progress` (the worker folds it in, docs/progress.md): the latest
+ * measured acceptance length (reference decoder, and vLLM's when the serve check ran), else the best
+ * checkpoint's held-out tau_sim; rounded for people, labelled by its title. */
+export function headline(progress) {
+  const p = progress || {};
+  const al = p.acceptance_length, vllm = p.vllm_acceptance_length, tau = p.best_tau_sim;
+  if (typeof al === "number") {
+    const text = `AL ${al.toFixed(2)}` + (typeof vllm === "number" ? ` · vLLM ${vllm.toFixed(2)}` : "");
+    return h("span", { title: "measured acceptance length: reference decoder" + (typeof vllm === "number" ? ", and in vLLM" : "") }, text);
+  }
+  if (typeof tau === "number") {
+    return h("span", { title: "tau_sim of the best checkpoint on held-out rows (no AL measured yet)" }, `tau_sim ${tau.toFixed(2)}`);
+  }
+  return h("span", { class: "sub", title: "no evaluation yet" }, "—");
+}

@@ -6,7 +6,8 @@ const FIXED = {
   full_acc: "Accuracy over all supervised positions of all depths (draft argmax == target argmax).",
   tau_sim: "Simulated acceptance length: tau = sum over k of prod_{j<=k} acc_j (expected accepted draft tokens per step, training batch).",
   eval_tau_sim: "Simulated acceptance length on held-out rows: sum_k prod_{j<=k} eval_acc_j.",
-  acceptance_length: "Measured acceptance length AL = 1 + accepted / drafts, decoding the eval prompts with this draft.",
+  acceptance_length: "Measured acceptance length AL = 1 + accepted / drafts, decoding the eval prompts (eval.prompt_sets; the first set, or its first eval.al_num_prompts prompts during training) with the reference decoder.",
+  vllm_acceptance_length: "Acceptance length measured by a real vLLM engine serving the export (the serve check), on the first eval prompt set.",
   lr: "Learning rate of the optimizer at this step (after warmup/schedule).",
   grad_norm: "Global L2 norm of the gradients before clipping.",
   tokens_per_s: "Training throughput: supervised tokens processed per second.",
@@ -33,7 +34,7 @@ export function define(key) {
 export function label(key) {
   const names = {
     loss: "loss", eval_loss: "eval loss", tau_sim: "tau_sim", eval_tau_sim: "eval tau_sim",
-    acceptance_length: "measured AL", lr: "learning rate", tokens_per_s: "tokens/s", full_acc: "full acc",
+    acceptance_length: "measured AL", vllm_acceptance_length: "vLLM AL", lr: "learning rate", tokens_per_s: "tokens/s", full_acc: "full acc",
     time_fetch: "data + target", time_forward: "forward", time_backward: "backward", time_optimizer: "optimizer",
     grad_norm: "grad norm",
   };

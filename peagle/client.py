@@ -193,6 +193,18 @@ class PeagleClient:
         part.replace(dest)
         return dest
 
+    def select_checkpoint(self, job_id: str, step: int | None) -> dict[str, Any]:
+        """The checkpoint at `step` (None: the best, else the latest)."""
+        cks = self.checkpoints(job_id)
+        if not cks:
+            raise ServiceError(404, "not_found", f"job {job_id} has no complete checkpoint yet")
+        if step is None:
+            return next((c for c in cks if c["is_best"]), None) or next((c for c in cks if c["is_latest"]), cks[-1])
+        at_step = next((c for c in cks if c["step"] == step), None)
+        if at_step is None:
+            raise ServiceError(404, "not_found", f"job {job_id} has no checkpoint at step {step}")
+        return at_step
+
     def download_checkpoint(self, job_id: str, step: int | None, dest: Path, *,
                             training_state: bool = False) -> list[Path]:
         """Download a checkpoint (`step=None`: the best, else the latest) into `dest`.
@@ -200,16 +212,7 @@ class PeagleClient:
         By default only what `vllm serve` reads (config.json, model.safetensors, ...); the optimizer and
         RNG state (`training_state.pt`, several times the weights' size) only with `training_state=True`.
         """
-        cks = self.checkpoints(job_id)
-        if not cks:
-            raise ServiceError(404, "not_found", f"job {job_id} has no complete checkpoint yet")
-        if step is None:
-            ck = next((c for c in cks if c["is_best"]), None) or next((c for c in cks if c["is_latest"]), cks[-1])
-        else:
-            at_step = next((c for c in cks if c["step"] == step), None)
-            if at_step is None:
-                raise ServiceError(404, "not_found", f"job {job_id} has no checkpoint at step {step}")
-            ck = at_step
+        ck = self.select_checkpoint(job_id, step)
         files = [f for f in ck["files"] if training_state or f["path"] not in TRAINING_ONLY_FILES]
         return [self.download_file(f["url"], dest / f["path"], f["sha256"]) for f in files]
 

@@ -31,6 +31,8 @@ from peagle.errors import CheckpointError, TargetLoadError
 from peagle.fileio import atomic_write_json, publish_dir
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
+from peagle.spec.targets import portable_verifier
+from peagle.train.heartbeat import ProgressLog
 from peagle.train.progress import ProgressSink
 
 __all__ = ["PipelineResult", "build_initial_draft", "load_target", "resolve_dtype", "run_pipeline", "verifier_name"]
@@ -81,9 +83,11 @@ def load_target(spec: TrainSpec, device: torch.device) -> tuple[Any, Any, Path |
 
 
 def verifier_name(spec: TrainSpec, resolved: Path | str) -> str:
-    """What the export names as verifier: `target.name_or_path`, else the resolved folder / hub id."""
-    if spec.target.name_or_path:
-        return spec.target.name_or_path
+    """What the export names as verifier (`peagle.spec.targets`): `target.name_or_path`, a builtin's hub id
+    (or its builtin name), else the hub id / local folder the target was loaded from."""
+    portable = portable_verifier(spec.target.model, spec.target.name_or_path)
+    if portable is not None:
+        return portable
     return str(Path(resolved).resolve()) if isinstance(resolved, Path) else str(resolved)
 
 
@@ -130,17 +134,21 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 class _NoPhases:
-    """Forwards everything except `phase` events (the pipeline announces phases itself)."""
+    """Forwards everything except `phase` events (the pipeline announces phases itself), but those in
+    `allow`, which the callee announces at the moment it gets there (remembered in `seen`)."""
 
-    def __init__(self, sink: ProgressSink) -> None:
-        self.sink = sink
+    def __init__(self, sink: ProgressSink, allow: tuple[str, ...] = ()) -> None:
+        self.sink, self.allow, self.seen = sink, allow, set[str]()
 
     def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
         self.sink.metric(step, epoch, values)
 
     def event(self, kind: str, **fields: Any) -> None:
-        if kind != "phase":
-            self.sink.event(kind, **fields)
+        if kind == "phase" and fields.get("phase") in self.allow:
+            self.seen.add(str(fields["phase"]))
+        elif kind == "phase":
+            return
+        self.sink.event(kind, **fields)
 
     def log(self, level: str, message: str) -> None:
         self.sink.log(level, message)
@@ -182,6 +190,7 @@ def run_pipeline(
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     result = PipelineResult(run_dir=run)
+    sink = ProgressLog(sink)  # phase changes and a step line every LOG_EVERY_S seconds in the job log
 
     _phase(sink, "validating", "loading the target and resolving the spec")
     device = resolve_device(spec)
@@ -197,16 +206,19 @@ def run_pipeline(
     k_eval = int(spec.resolve(cuda_available=device.type == "cuda").eval.num_speculative_tokens or 0)
 
     _phase(sink, "preparing_data", "reading, templating and packing the data")
-    _phase(sink, "building_vocab", "draft vocabulary and mask token")
+    # prepare_data announces building_vocab when it gets there: a data error stays under preparing_data
+    data_sink = _NoPhases(sink, allow=("building_vocab",))
     prepared = prepare_data(
         spec,
         tok,
         run,
         target_vocab_size=vocab_size,
         dataset_root=dataset_root,
-        sink=_NoPhases(sink),
+        sink=data_sink,
         model=model if spec.data.regenerate.enabled else None,
     )
+    if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
+        _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
     vocab = prepared.vocab
     capture = TargetCapture(model, aux_ids, None if vocab.is_full else vocab.selected)
 
@@ -257,9 +269,7 @@ def run_pipeline(
         eval_source=eval_source,
         sink=sink,
         extra_writer=write_export,
-        evaluate_hook=_al_hook(spec, model, tok, k_eval)
-        if spec.checkpoints.select_best_by == ACCEPTANCE_LENGTH
-        else None,
+        evaluate_hook=_al_hook(spec, model, tok, k_eval) if spec.eval.prompt_sets else None,
         device=device,
         resume=resume,
     )
@@ -286,8 +296,8 @@ def run_pipeline(
 
     if spec.eval.serve_check or spec.eval.engine == "vllm":
         _phase(sink, "serve_check", "loading the export in vLLM with parallel drafting")
-        result.serve_check = _serve_check(spec, export_dir, tok, k_eval, sink)
-    _phase(sink, "done", f"done: AL {result.eval.get('acceptance_length')} ({best.name})")
+        result.serve_check = _serve_check(spec, export_dir, tok, k_eval, sink, target_path)
+    _phase(sink, "done", f"done: {_al_text(result.eval, spec)} ({best.name})")
     return result
 
 
@@ -366,7 +376,8 @@ def _evaluate_export(
         sets[name] = rep.to_dict()
         sink.log(
             "info",
-            f"{name}: AL {rep.acceptance_length:.3f} per-position {[round(x, 3) for x in rep.per_position]}",
+            f"{name} ({len(prompts)} prompts, reference decoder): AL {rep.acceptance_length:.2f}, "
+            f"acceptance per draft position {[round(x, 2) for x in rep.per_position]}",
         )
     if sets:
         first = next(iter(sets.values()))
@@ -378,9 +389,22 @@ def _evaluate_export(
     return out
 
 
+def _al_text(ev: dict[str, Any], spec: TrainSpec) -> str:
+    """`AL 1.23 (reference decoder, humaneval, 8 prompts)`: the measured AL of an eval, rounded for people."""
+    al = ev.get(ACCEPTANCE_LENGTH)
+    if not isinstance(al, int | float):
+        return "AL not measured (no eval.prompt_sets)"
+    first = spec.eval.prompt_sets[0] if spec.eval.prompt_sets else None
+    where = f", {first.name}, {first.num_prompts} prompts" if first else ""
+    return f"AL {al:.2f} (reference decoder{where})"
+
+
 def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
-    """`evaluate_hook` measuring AL on the first prompt set (select_best_by = acceptance_length)."""
+    """`evaluate_hook` measuring AL during training: the first `eval.al_num_prompts` prompts of the first
+    prompt set (all of them when checkpoints.select_best_by = acceptance_length, which ranks by it)."""
     prompts = _prompt_ids(spec, tok)[0][1]
+    if spec.checkpoints.select_best_by != ACCEPTANCE_LENGTH:
+        prompts = prompts[: spec.eval.al_num_prompts]
 
     def hook(draft: Any, step: int) -> dict[str, float]:
         from peagle.eval.reference import evaluate_prompts
@@ -411,7 +435,7 @@ def _copy_export(ckpt: Path, dest: Path) -> Path:
 
 
 def _serve_check(
-    spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink
+    spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink, target_path: Path | str
 ) -> dict[str, Any] | None:
     from peagle.errors import ResourceError
     from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
@@ -422,8 +446,9 @@ def _serve_check(
     eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
     name, prompts = _prompt_ids(spec, tok)[0]
     try:
-        res = run_vllm_probe(
-            export_dir, prompts, max_new_tokens=spec.eval.max_new_tokens, num_speculative_tokens=k
+        res = run_vllm_probe(  # vLLM loads the folder the run trained against; the export names it portably
+            export_dir, prompts, max_new_tokens=spec.eval.max_new_tokens, num_speculative_tokens=k,
+            verifier=target_path,
         )
     except ResourceError as exc:
         sink.event("warning", message=f"serve check failed: {exc}")
@@ -433,11 +458,16 @@ def _serve_check(
     _write_json(export_dir / "serve_check.json", cmp)
     # Keys prefixed `vllm_`: the reference decoder's `acceptance_length` stays the job's AL metric.
     v_al, r_al = cmp["vllm"].get("acceptance_length"), cmp["reference"].get("acceptance_length")
+    def al(v: Any) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    step = str(eval_json.get("checkpoint", "")).rsplit("_", 1)[-1]
     sink.event(
         "eval",
-        message=f"vLLM serve check: AL {v_al if v_al is None else round(v_al, 4)} vs reference "
-        f"{r_al if r_al is None else round(r_al, 4)}, parallel drafting "
-        f"{'on' if res.get('parallel_drafting_ok') else 'NOT on'}",
+        message=f"vLLM serve check ({name}, {len(prompts)} prompts): AL {al(v_al)} in vLLM vs {al(r_al)} in "
+        f"the reference decoder, parallel drafting {'on' if res.get('parallel_drafting_ok') else 'NOT on'}",
+        # `checkpoint_step`: the service records vLLM's AL on the checkpoint, next to the reference AL
+        checkpoint_step=int(step) if step.isdigit() else None,
         metrics={
             "engine": "vllm",
             **{f"vllm_{k}": v for k, v in cmp["vllm"].items()},

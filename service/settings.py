@@ -96,7 +96,10 @@ class Settings(BaseSettings):
     read_pool_size: int = Field(default=4, ge=1, description="PostgreSQL only: connections per API process of "
                                 "the async pool that serves job lists on the event loop (service.db.aio); 4 kept up "
                                 "with 100 closed-loop clients (2 or 8 were no faster).")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level of the Celery worker and its reaper.")
+    port: int = Field(default=8000, ge=1, le=65535, description="`make run`: the port the API and dashboard "
+                      "listen on (host 127.0.0.1); `make run` says so and stops when it is taken.")
 
     @field_validator("model_roots", mode="before")
     @classmethod

@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 
 from celery import Celery, signals
 
@@ -37,7 +38,9 @@ from service.queue import worker_argv, worker_config
 from service.settings import Settings, get_settings
 from worker.tasks import register_tasks
 
-__all__ = ["main", "make_celery", "queue_names", "start_reaper", "stop_running_jobs"]
+__all__ = ["accept_root", "main", "main_parser", "make_celery", "queue_names", "start_reaper", "stop_running_jobs"]
+
+log = logging.getLogger(__name__)
 
 
 def queue_names(settings: Settings, override: str | None = None) -> list[str]:
@@ -86,15 +89,43 @@ def start_reaper(settings: Settings, queues: list[str]) -> subprocess.Popen[byte
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m worker [--queue Q] [--hostname H] [--ping]`: run one worker (or ping the workers)."""
+def main_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m worker`."""
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__.split("\n")[0])
     parser.add_argument("--queue", default=None, help="queues to consume (comma-separated; default settings)")
     parser.add_argument("--hostname", default=None, help="Celery node name (default peagle-<queue>@<host>-<pid>)")
     parser.add_argument("--ping", action="store_true", help="exit 0 if a worker answers a ping")
     parser.add_argument("--no-reaper", action="store_true",
                         help="do not start the reaper process beside the worker (run `python -m worker.reaper`)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--accept-root", action="store_true",
+                        help="`make run` on a single-user machine: a root worker is expected there, so Celery's "
+                        "superuser SecurityWarning is replaced by one log line (the image runs as `peagle`)")
+    return parser
+
+
+#: The start of Celery's warning for a worker running as root (`celery.platforms.ROOT_DISCOURAGED`).
+_ROOT_WARNING = "You're running the worker with superuser privileges"
+
+
+def accept_root() -> None:
+    """When running as root: hide exactly Celery's superuser SecurityWarning and say it once, in a log line.
+
+    Only that warning (category and message): every other warning still shows. Celery's supported way out
+    is `--uid` (drop privileges), which a `make run` checkout owned by root cannot use; the container image
+    runs the worker as the unprivileged user `peagle` and never passes `--accept-root`.
+    """
+    if os.geteuid() != 0:
+        return
+    from celery.exceptions import SecurityWarning
+
+    warnings.filterwarnings("ignore", message=_ROOT_WARNING, category=SecurityWarning)
+    log.info("running as root (make run on a single-user machine); the container image runs the worker as "
+             "the unprivileged user peagle")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m worker [--queue Q] [--hostname H] [--ping] [--accept-root]`: run one worker (or ping)."""
+    args = main_parser().parse_args(argv)
     settings = get_settings()
     names = queue_names(settings, args.queue)
     app = make_celery(settings, queues=names)
@@ -103,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{len(replies)} worker(s) answered\n")
         return 0 if replies else 1
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.accept_root:
+        accept_root()
     if not args.no_reaper:
         start_reaper(settings, names)
     signals.worker_shutting_down.connect(stop_running_jobs, weak=False)

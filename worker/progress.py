@@ -19,6 +19,7 @@ from peagle.spec.metrics import (
     LOSS,
     PER_POSITION,
     TAU_SIM,
+    VLLM_ACCEPTANCE_LENGTH,
     al_pos_values,
     eval_key,
     is_measured_al_key,
@@ -80,6 +81,10 @@ class ProgressCollector:
         self.checkpoints_seen = 0
         self.last_metric_step: int | None = None
         self._rate_origin: tuple[float, int] | None = None  # (monotonic time, step) of the first progress
+        self._last_progress: dict[str, Any] = {}
+        #: the numbers the jobs list shows beside the progress bar (docs/progress.md 5): the latest
+        #: measured AL (reference decoder and vLLM) and the best checkpoint's held-out tau_sim
+        self.summary: dict[str, float] = {}
 
     def __len__(self) -> int:
         b = self.batch
@@ -133,7 +138,8 @@ class ProgressCollector:
         data = {k: v for k, v in rec.items() if k not in ("type", "time", "kind", "message")}
         message = str(rec.get("message") or "")
         if kind == "progress":
-            self.batch.progress = self._progress(rec)
+            self._last_progress = self._progress(rec)
+            self.batch.progress = {**self._last_progress, **self.summary}
             return
         if kind == "phase":
             self.phase = str(rec.get("phase") or "") or None
@@ -148,11 +154,17 @@ class ProgressCollector:
             })
             self.last_checkpoint_step = step
             self.checkpoints_seen += 1
+            tau = _finite_values(rec.get("metrics")).get(TAU_SIM)
+            if rec.get("is_best") and tau is not None:
+                self._summarise({"best_tau_sim": tau})
             message = message or f"checkpoint saved at step {step}" + (" (best so far)" if rec.get("is_best") else "")
         elif kind == "error":
             self.last_error = {"code": rec.get("code"), "message": message}
         elif kind == "eval":
             self._eval_metrics(rec, when)
+            raw = rec.get("metrics")
+            found = _eval_values(raw if isinstance(raw, dict) else {})
+            self._summarise({k: found[k] for k in (ACCEPTANCE_LENGTH, VLLM_ACCEPTANCE_LENGTH) if k in found})
             self._checkpoint_eval(rec)
             if not message:
                 shown = {k: v for k, v in _finite_values(rec.get("metrics")).items()
@@ -161,6 +173,12 @@ class ProgressCollector:
                 message = f"evaluation{at}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
         self.batch.events.append({"kind": kind, "phase": self.phase, "message": message[:_MAX_MESSAGE],
                                   "data": data, "time": when})
+
+    def _summarise(self, values: dict[str, float]) -> None:
+        """Fold headline numbers into the job's `progress` (written with this batch)."""
+        if values:
+            self.summary.update(values)
+            self.batch.progress = {**self._last_progress, **self.summary}
 
     def _checkpoint_eval(self, rec: dict[str, Any]) -> None:
         """An eval naming `checkpoint_step` (the pipeline's final AL of the best checkpoint) is also

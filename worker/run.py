@@ -1,6 +1,6 @@
 """`make run`: the whole service on the embedded default, ready to train the demo draft.
 
-    python -m worker.run        (PEAGLE_PORT, default 8000; host 127.0.0.1)
+    python -m worker.run        (port: the `port` setting, PEAGLE_PORT, default 8000; host 127.0.0.1)
 
 1. applies the database migrations (SQLite under `.peagle/` unless PEAGLE_DATABASE_URL says otherwise);
 2. creates a local dev API key once (`.peagle/dev-key`, mode 0600) and prints it;
@@ -28,9 +28,12 @@ from typing import IO, Any
 
 from service.settings import Settings, get_settings
 
-__all__ = ["ensure_dev_key", "main"]
+__all__ = ["WORKER_ARGV", "ensure_dev_key", "main"]
 
 HOST = "127.0.0.1"
+#: The worker `make run` starts (with its reaper): a root-owned checkout on a single-user machine, so a
+#: root worker is expected there (`worker.app.accept_root`).
+WORKER_ARGV = ["-m", "worker", "--accept-root"]
 
 
 def say(message: str) -> None:
@@ -138,7 +141,7 @@ def main() -> int:
     from service.db import upgrade
 
     settings = get_settings()
-    port = int(os.environ.get("PEAGLE_PORT", "8000"))
+    port = settings.port
     if not _port_free(port):
         say(f"error: port {port} on {HOST} is in use; set PEAGLE_PORT to another port")
         return 1
@@ -169,7 +172,7 @@ def main() -> int:
     try:
         services.start("api", ["-m", "uvicorn", "--factory", "api.main:create_app", "--host", HOST,
                                "--port", str(port), "--log-level", "warning"])
-        services.start("worker", ["-m", "worker"])  # starts its reaper beside it
+        services.start("worker", WORKER_ARGV)  # starts its reaper beside it
         if not _wait_ready(services, port, stop):
             name = services.dead() or "api"
             if not stop.is_set():

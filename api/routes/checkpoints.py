@@ -29,6 +29,7 @@ from api.routes.jobs import load_job
 from api.schemas import CheckpointList, ServeCommand
 from peagle.fileio import atomic_path, atomic_write_text
 from peagle.spec import metrics as metric_keys
+from peagle.spec import portable_verifier
 from service.db import repo
 from service.db.models import Checkpoint, Job
 from service.settings import Settings
@@ -99,6 +100,11 @@ def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:
     return d
 
 
+def checkpoint_folder(job_id: str, step: int) -> str:
+    """The folder a checkpoint's archive unpacks to (and `peagle jobs download` writes by default)."""
+    return f"{job_id}-step_{step:06d}"
+
+
 def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
     base = f"/v1/jobs/{job.id}/checkpoints/{ck.step}"
     m = ck.metrics or {}
@@ -113,6 +119,7 @@ def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
         "files": [{"path": f["path"], "size": int(f.get("size", 0)), "sha256": f.get("sha256", ""),
                    "url": f"{base}/files/{f['path']}"} for f in ck.files or []],
         "created_at": ck.created_at, "archive_url": f"{base}/archive", "serve_url": f"{base}/serve",
+        "folder": checkpoint_folder(job.id, ck.step),
     }
 
 
@@ -209,8 +216,8 @@ def download_archive(
     if dest.is_file() and sidecar.is_file():
         sha = sidecar.read_text().strip()
     else:
-        sha = build_archive(src, files, dest, f"{job.id}-step_{step:06d}")
-    return FileResponse(dest, filename=f"{job.id}-step_{step:06d}.tar", media_type="application/x-tar",
+        sha = build_archive(src, files, dest, checkpoint_folder(job.id, step))
+    return FileResponse(dest, filename=f"{checkpoint_folder(job.id, step)}.tar", media_type="application/x-tar",
                         headers=_digest_headers(sha))
 
 
@@ -223,7 +230,8 @@ def serve_command(job_id: str, step: Step, state: State, session: DB, principal:
     ck = _ckpt(session, job, step)
     d = _ckpt_dir(state.settings, job, ck)
     spec = job.resolved_spec or job.spec
-    verifier = (spec.get("target") or {}).get("name_or_path") or (spec.get("target") or {}).get("model", "")
+    named = spec.get("target") or {}
+    verifier = portable_verifier(str(named.get("model", "")), named.get("name_or_path")) or named.get("model", "")
     k = (spec.get("eval") or {}).get("num_speculative_tokens") or (spec.get("peagle") or {}).get("num_depths", 8)
     try:
         cfg = json.loads((d / "config.json").read_text())
@@ -234,16 +242,22 @@ def serve_command(job_id: str, step: Step, state: State, session: DB, principal:
             k = props[0]["speculative_tokens"]
     except (OSError, ValueError, AttributeError):
         pass
-    # No server path in the answer: the draft is named as the folder the archive unpacks to, and a verifier
-    # the worker resolved to a local folder (a builtin) as the job's own spec named it.
-    name = f"{job.id}-step_{step:06d}"
-    own = {(job.spec.get("target") or {}).get(k) for k in ("model", "name_or_path")} - {None}
+    # No server path in the answer: the draft is the folder the archive unpacks to (and `peagle jobs download`
+    # writes by default), and a verifier an older export named by a host folder (a builtin's cache) is
+    # named portably from the job's own spec (`peagle.spec.targets`).
+    name = checkpoint_folder(job.id, step)
+    target = job.spec.get("target") or {}
+    own = {target.get(k) for k in ("model", "name_or_path")} - {None}
     if str(verifier).startswith("/") and verifier not in own:
-        verifier = (job.spec.get("target") or {}).get("name_or_path") or (job.spec.get("target") or {}).get("model")
-    spec_cfg = {"model": name, "method": "eagle3", "num_speculative_tokens": int(k), "parallel_drafting": True}
+        verifier = portable_verifier(str(target.get("model", "")), target.get("name_or_path")) or target.get("model")
+    spec_cfg = {"model": f"./{name}", "method": "eagle3", "num_speculative_tokens": int(k),
+                "parallel_drafting": True}
     return {
-        "command": f"vllm serve {shlex.quote(name)}",
+        "command": f"vllm serve {shlex.quote('./' + name)}",
         "long_command": f"vllm serve {shlex.quote(str(verifier))} --speculative-config "
         f"{shlex.quote(json.dumps(spec_cfg))}",
         "speculative_config": spec_cfg, "model_dir": name,
+        "note": None if not str(verifier).startswith("builtin:") else (
+            f"{verifier} has no hub copy (random test weights): on a machine with peagle, `peagle fixtures tiny` "
+            "builds it and prints its folder; use that folder as the verifier of the long form"),
     }

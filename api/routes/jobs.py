@@ -18,11 +18,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.access import check_spec_access
 from api.deps import DB, AppState, ReadDB, Reader, State, Writer, authorize, json_ok, jsonable, releases_db
 from api.errors import ApiError, spec_error
 from api.estimate import estimate
+from api.history import history
 from api.openapi import AUTH, error_responses, header
+from api.preflight import Preflight, preflight
 from api.schemas import (
     CloneRequest,
     Estimate,
@@ -93,9 +94,13 @@ def _check_quota(state: AppState, session: Session, owner_id: int) -> None:
                        f"max_concurrent_jobs + max_queued_jobs)", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _datasets_for(state: AppState, session: Session, owner_id: int, spec: TrainSpec) -> dict[str, dict[str, Any]]:
-    """The access policy (`api.access`): 422 for any path the owner may not read; their datasets' reports."""
-    return check_spec_access(session, owner_id, spec, state.settings.model_roots)
+def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec, *, dry_run: bool = False
+               ) -> Preflight:
+    """`api.preflight`: 422 for what the owner may not name or what cannot run (a dry run only reports the
+    latter); the reports of the owner's datasets."""
+    checked = preflight(session, owner_id, spec, state.settings.model_roots)
+    checked.check(dry_run=dry_run)
+    return checked
 
 
 def submit(state: AppState, session: Session, principal: repo.Principal, spec: TrainSpec, *, name: str | None,
@@ -163,15 +168,18 @@ def create_job(
 ) -> Any:
     """Validate the spec (every problem listed at once), then queue the job.
 
+    What cannot run is refused before queueing (`api.preflight`: a dataset that is not `ready` or has no
+    usable row, a missing model folder); the dry run answers `valid: false` with the same `problems`.
     Same `Idempotency-Key` + same body replays the first answer; a different body is 409.
     """
     spec = _resolve_spec(body)
-    datasets = _datasets_for(state, session, principal.owner_id, spec)
+    checked = _preflight(state, session, principal.owner_id, spec, dry_run=dry_run)
     queue = body.queue or state.settings.worker_queue
     if dry_run:
-        est = estimate(spec, dataset_rows=datasets, queue=queue,
-                       queue_position=repo.queue_position(session, queue))
-        return json_ok({"object": "estimate", "valid": True, "spec": spec.model_dump(mode="json"), **est})
+        est = estimate(spec, dataset_rows=checked.reports, queue=queue,
+                       queue_position=repo.queue_position(session, queue), history=history(session, spec, queue))
+        return json_ok({"object": "estimate", "valid": not checked.problems, "problems": checked.problems,
+                        "spec": spec.model_dump(mode="json"), **est})
     idem = None
     if idempotency_key:
         h = _body_hash(body)
@@ -355,7 +363,7 @@ def clone_job(job_id: str, state: State, session: DB, principal: Writer,
         spec = parse_spec(data)
     except SpecInvalidError as exc:
         raise spec_error(exc, prefix=()) from None
-    _datasets_for(state, session, principal.owner_id, spec)
+    _preflight(state, session, principal.owner_id, spec)
     job = submit(state, session, principal, spec, name=body.name or f"{src.name} (clone)"[:200],
                  tags=body.tags, queue=src.queue)
     return job_public(job)

@@ -14,6 +14,7 @@ from api.deps import State
 from api.schemas import MetaOut, Readiness
 from peagle.spec import BUILTIN_DATA, BUILTIN_TARGETS, PHASES, TrainSpec, preset, preset_names
 from peagle.spec import metrics as metric_keys
+from peagle.spec.funnel import REASONS as FUNNEL_REASONS
 from service.db import states
 
 router = APIRouter(tags=["meta"])
@@ -102,4 +103,5 @@ def meta() -> dict[str, Any]:
         "enums": spec_enums(),
         "suggestions": {"/target/model": list(BUILTIN_TARGETS), "/data/sources/*/path": list(BUILTIN_DATA)},
         "metric_keys": dict(metric_keys.key_patterns()),
+        "funnel_reasons": dict(FUNNEL_REASONS),
     }

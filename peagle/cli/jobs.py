@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,9 @@ def logs(
 @jobs_app.command("download")
 def download(
     job_id: str,
-    out: Path = typer.Option(Path(), "--out", help="Destination folder."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Destination folder (default: JOB_ID-step_NNNNNN, the folder the archive unpacks to)."
+    ),
     step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: the best)."),
     training_state: bool = typer.Option(
         False, "--training-state", help="Also download training_state.pt (optimizer/RNG state, for resuming)."
@@ -135,9 +138,17 @@ def download(
     """Download a checkpoint's vLLM files (resumable, sha256-verified) and print the vllm serve command."""
     with _client(url, api_key) as c:
         try:
-            paths = c.download_checkpoint(job_id, step, out, training_state=training_state)
+            ck = c.select_checkpoint(job_id, step)
+            dest = out if out is not None else Path(ck["folder"])  # what the archive unpacks to
+            paths = c.download_checkpoint(job_id, int(ck["step"]), dest, training_state=training_state)
             for p in paths:
                 typer.echo(str(p))
         except ServiceError as exc:
             _fail(exc)
-    typer.echo(f"serve with: vllm serve {out.resolve()}")
+    typer.echo(f"serve with: vllm serve {serve_path(dest)}")
+
+
+def serve_path(folder: Path) -> str:
+    """How `vllm serve` names a downloaded folder: relative ones as `./NAME` (never mistaken for a hub id)."""
+    text = str(folder)
+    return shlex.quote(text if folder.is_absolute() or text.startswith(".") else f"./{text}")

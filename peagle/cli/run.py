@@ -321,7 +321,11 @@ def eval_cmd(
     target: str | None = typer.Option(
         None, "--target", help="Target folder (default: the export's verifier)."
     ),
-    dtype: str = typer.Option("float32", "--dtype", help="Reference decoder dtype: float32 | bfloat16."),
+    dtype: str = typer.Option(
+        "auto", "--dtype",
+        help="Reference decoder dtypes: auto (as the job's own eval: target in the export's bf16, draft "
+        "fp32) | float32 | bfloat16.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Measure acceptance length (AL) and per-position acceptance of an export."""

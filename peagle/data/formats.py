@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.errors import DataInvalidError
+from peagle.spec.funnel import funnel
 
 __all__ = [
     "MAX_BAD_ROWS",
@@ -504,6 +505,8 @@ def validate_dataset(
     if out["error"] is None and limits is not None and report.skipped_by_reason["row_too_large"]:
         where = f"line {big['line']}" if big else "a row"
         out["error"] = f"{path}: {where}: row exceeds the limit of {limits.max_row_bytes} bytes per row"
+    out["funnel"] = funnel(read=report.rows_read, kept=report.rows_kept, dropped_by_reason=report.skipped_by_reason,
+                           train_tokens=tokens if tok is not None else None)
     out["ok"] = out["error"] is None and report.rows_kept > 0
     if out["error"] is None and report.rows_kept == 0:
         out["error"] = f"{path}: no usable row ({report.rows_read} read, all skipped)"

@@ -35,10 +35,19 @@ from peagle.data.vocab import (
 from peagle.errors import DataInvalidError
 from peagle.fileio import atomic_path
 from peagle.spec import TrainSpec
+from peagle.spec.funnel import (
+    DROPPED,
+    DROPPED_BY_REASON,
+    SOURCE_SKIP,
+    TOKEN_OUT_OF_RANGE,
+    TOO_FEW_ASSISTANT_TOKENS,
+    TOO_LONG,
+    funnel,
+)
 
-__all__ = ["PreparedData", "data_cache_key", "prepare_data"]
+__all__ = ["PreparedData", "data_cache_key", "data_funnel", "prepare_data"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the data report carries the funnel (peagle.spec.funnel)
 
 
 @dataclass
@@ -135,12 +144,14 @@ def prepare_data(
         blob = torch.load(cached, weights_only=True)
         if blob.get("key") == key:
             _log(sink, "prepared data reloaded from RUN/data (same spec hash)")
+            report = json.loads((data_dir / "report.json").read_text())
+            _emit(sink, "data", message="data funnel (reloaded)", funnel=report.get("funnel"))
             return PreparedData(
                 PackedRows(*blob["train"]),
                 PackedRows(*blob["eval"]),
                 load_vocab(data_dir / "vocab.safetensors"),
                 int(blob["mask_token_id"]),
-                json.loads((data_dir / "report.json").read_text()),
+                report,
                 data_dir,
             )
     d = spec.data
@@ -174,19 +185,24 @@ def prepare_data(
     skipped: dict[str, int] = {}
     bad_rows: list[dict[str, Any]] = []
     truncated = sum(e.truncated for e in encoded)
+    cut = {i for i, enc in zip(chat, encoded, strict=True) if enc.truncated}
     for i, r in enumerate(rows):
         if r.input_ids is not None:
             assert r.loss_mask is not None, "a pre-tokenised row carries its loss mask"
             truncated += len(r.input_ids) > d.max_length
+            if len(r.input_ids) > d.max_length:
+                cut.add(i)
             docs[i] = (r.input_ids[: d.max_length], r.loss_mask[: d.max_length])
     valid = []
     for i in range(len(rows)):
         ids, mask = docs[i]
         reason = None
-        if sum(mask) < d.min_assistant_tokens:
-            reason = f"too_few_assistant_tokens (< {d.min_assistant_tokens} after templating/truncation)"
+        if sum(mask) == 0 and i in cut:
+            reason = f"{TOO_LONG} (cut at data.max_length={d.max_length} before any assistant token)"
+        elif sum(mask) < d.min_assistant_tokens:
+            reason = f"{TOO_FEW_ASSISTANT_TOKENS} (< {d.min_assistant_tokens} after templating/truncation)"
         elif max(ids) >= target_vocab_size:
-            reason = f"token_out_of_range (id {max(ids)} >= {target_vocab_size})"
+            reason = f"{TOKEN_OUT_OF_RANGE} (id {max(ids)} >= {target_vocab_size})"
         if reason:
             short = reason.split(" ")[0]
             skipped[short] = skipped.get(short, 0) + 1
@@ -238,6 +254,7 @@ def prepare_data(
         "mask_token_id": mask_id,
         "mask_token_source": how,
     }
+    report["funnel"] = data_funnel(report, src_reports, len(keep_eval))
     (data_dir / "report.json").write_text(json.dumps(report, indent=1))
     with atomic_path(cached) as tmp:
         torch.save(
@@ -249,12 +266,32 @@ def prepare_data(
             },
             tmp,
         )
+    fun = report["funnel"]
+    why = ", ".join(f"{n} {k}" for k, n in fun[DROPPED_BY_REASON].items()) or "none"
+    _emit(sink, "data", message=f"data: {fun['read']} read, {fun['kept']} kept, {fun[DROPPED]} dropped ({why})",
+          funnel=fun)
     _log(
         sink,
-        f"data: {len(keep_train)} train / {len(keep_eval)} eval conversations -> {len(train)} rows; "
+        f"data: {fun['read']} read, {fun['kept']} kept, {fun[DROPPED]} dropped ({why}); "
+        f"{len(keep_train)} train / {len(keep_eval)} eval conversations -> {len(train)} rows; "
         f"Vd={vocab.draft_vocab_size}, mask token {mask_id} ({how})",
     )
     return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
+
+
+def data_funnel(report: dict[str, Any], src_reports: list[dict[str, Any]], held_out: int) -> dict[str, Any]:
+    """The job's funnel (`peagle.spec.funnel`) from its data report: every dropped conversation has a reason.
+
+    Rows passed over by ``data.sources[].skip`` are read but neither kept nor skipped by ingestion; they are
+    filed as `SOURCE_SKIP`.
+    """
+    reasons = dict(report["skipped_by_reason"])
+    passed_over = sum(r["rows_read"] - r["rows_kept"] - r["rows_skipped"] for r in src_reports)
+    if passed_over:
+        reasons[SOURCE_SKIP] = reasons.get(SOURCE_SKIP, 0) + passed_over
+    return funnel(read=report["rows_read"], kept=report["rows_kept"], dropped_by_reason=reasons,
+                  held_out=held_out, packed_rows=report["train_rows"], train_tokens=report["train_tokens"],
+                  truncated=report["truncated_conversations"])
 
 
 def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:

@@ -9,17 +9,19 @@ the probe uses CUDA when that interpreter's torch sees a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from peagle.errors import ResourceError
 
-__all__ = ["compare_reports", "probe_script", "run_eval", "run_vllm_probe", "vllm_python"]
+__all__ = ["compare_reports", "loadable_export", "probe_script", "reference_dtypes", "run_eval", "run_vllm_probe",
+           "vllm_python"]
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -38,6 +40,40 @@ def vllm_python() -> Path | None:
     return None
 
 
+def _verifier_of(export_dir: Path) -> str | None:
+    try:
+        cfg = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return name if isinstance(name, str) else None
+
+
+@contextlib.contextmanager
+def loadable_export(export_dir: str | Path, verifier: str | Path | None) -> Iterator[Path]:
+    """The export as vLLM on this machine must see it: its config naming `verifier` (a local folder).
+
+    Exports name a portable verifier (a hub id, `builtin:tiny-llama`); loading one here needs the local
+    folder. When the names differ, yields a temporary folder with a rewritten `config.json` and links to
+    the other files (the export itself is never touched); else yields the export.
+    """
+    src = Path(export_dir).resolve()
+    name = str(verifier.resolve()) if isinstance(verifier, Path) else verifier
+    if verifier is None or _verifier_of(src) in (None, name):
+        yield src
+        return
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    cfg["speculators_config"]["verifier"]["name_or_path"] = name
+    with tempfile.TemporaryDirectory(prefix="peagle-export-") as tmp:
+        view = Path(tmp) / src.name
+        view.mkdir()
+        for entry in src.iterdir():
+            if entry.name != "config.json":
+                (view / entry.name).symlink_to(entry)
+        (view / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+        yield view
+
+
 def run_vllm_probe(
     export_dir: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -48,11 +84,12 @@ def run_vllm_probe(
     timeout_s: float = 3600.0,
     python: str | Path | None = None,
     log_path: str | Path | None = None,
+    verifier: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the vLLM probe on an export directory and return its JSON result.
 
     Args:
-        export_dir: a speculators-format export (its verifier must be loadable offline).
+        export_dir: a speculators-format export.
         prompts: token ids per prompt (already chat-templated), identical to the reference decoder's.
         max_new_tokens: per prompt (greedy).
         num_speculative_tokens: K override; None = `speculative_tokens` of the config.
@@ -60,6 +97,8 @@ def run_vllm_probe(
         timeout_s: wall-clock limit for the subprocess.
         python: the vLLM interpreter; None = `vllm_python()`.
         log_path: where vLLM's own output goes (default: a temp file, named in errors).
+        verifier: the target vLLM loads (a local folder); None = the export's verifier mapped to this
+            machine by `peagle.builtin.local_verifier` (a builtin's hub id -> its offline folder).
 
     Returns:
         The probe's result: `speculative_config`, `mask_hidden_loaded`, `parallel_drafting_ok`, `problems`,
@@ -73,13 +112,19 @@ def run_vllm_probe(
         raise ResourceError(
             "vLLM is not installed: run `make vllm-env` (builds .vllm-venv) or set PEAGLE_VLLM_PYTHON"
         )
-    with tempfile.TemporaryDirectory(prefix="peagle-vllm-") as tmp:
+    named = _verifier_of(Path(export_dir))
+    if verifier is None and named:
+        from peagle.builtin import local_verifier
+
+        verifier = local_verifier(named)
+    with loadable_export(export_dir, verifier) as model_dir, \
+            tempfile.TemporaryDirectory(prefix="peagle-vllm-") as tmp:
         prompt_file = Path(tmp) / "prompts.json"
         out_file = Path(tmp) / "result.json"
         prompt_file.write_text(json.dumps([{"prompt_token_ids": list(map(int, p))} for p in prompts]))
         log = Path(log_path) if log_path is not None else Path(tmp) / "vllm.log"
         cmd = [
-            str(py), str(probe_script()), "--model", str(Path(export_dir).resolve()), "--prompts", str(prompt_file),
+            str(py), str(probe_script()), "--model", str(model_dir), "--prompts", str(prompt_file),
             "--out", str(out_file), "--max-new-tokens", str(max_new_tokens), "--max-model-len", str(max_model_len),
         ]  # fmt: skip
         if num_speculative_tokens is not None:
@@ -145,6 +190,31 @@ def compare_reports(reference: dict[str, Any], vllm: dict[str, Any]) -> dict[str
     }
 
 
+#: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
+EVAL_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def reference_dtypes(export_config: dict[str, Any], dtype: str) -> tuple[Any, Any]:
+    """(target dtype, draft dtype) of a reference evaluation of an export.
+
+    `auto` is what the evaluation inside a job does (`peagle.pipeline._evaluate_export`): the target in the
+    dtype the export is served in (its config's `torch_dtype`, bf16: about 3x faster than fp32 on a CPU
+    with bf16 instructions, and what vLLM runs), the draft in fp32 (`load_exported_draft`'s default).
+    `float32` / `bfloat16` put both in that dtype.
+
+    Raises:
+        ValueError: any other `dtype`.
+    """
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return names.get(str(export_config.get("torch_dtype")), torch.float32), torch.float32
+    if dtype not in EVAL_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}")
+    return names[dtype], names[dtype]
+
+
 def run_eval(
     export_dir: str | Path,
     *,
@@ -154,7 +224,7 @@ def run_eval(
     num_speculative_tokens: int | None = None,
     engine: str = "reference",
     target: str | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """AL of an export with the reference decoder, vLLM, or both (what `peagle eval` prints).
 
@@ -164,14 +234,15 @@ def run_eval(
         num_prompts, max_new_tokens: first N prompts, tokens per prompt.
         num_speculative_tokens: K; None = the export's `speculative_tokens`.
         engine: `reference`, `vllm` or `both` (both adds the comparison).
-        target: target folder for the reference decoder; None = the export's verifier.
-        dtype: reference decoder dtype (`float32` or `bfloat16`).
+        target: target folder for both engines; None = the export's verifier, mapped to this machine by
+            `peagle.builtin.local_verifier`.
+        dtype: reference decoder dtypes, `auto` (as inside a job), `float32` or `bfloat16`
+            (`reference_dtypes`).
 
     Returns:
         `{"engine", "acceptance_length", "per_position", "tokens_generated", "num_drafts", ...}`; with
         `both`, the reference numbers at top level plus `"vllm"` and `"comparison"`.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from peagle.errors import TargetLoadError
@@ -187,12 +258,15 @@ def run_eval(
     cfg = read_export_config(export_dir)
     k = num_speculative_tokens or num_speculative_tokens_of(cfg)
     verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    tpath = target or verifier
-    if not tpath:
+    if not (target or verifier):
         raise TargetLoadError("no target: pass --target (the export names no verifier)")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    from peagle.builtin import local_verifier
+
+    try:  # the export names a portable verifier; this machine loads its local folder
+        tpath = target or local_verifier(str(verifier))
+    except (ValueError, FileNotFoundError) as exc:
+        raise TargetLoadError(f"verifier {verifier!r} cannot be loaded here: {exc}; pass --target") from None
+    target_dtype, draft_dtype = reference_dtypes(cfg, dtype)
     try:
         tok = AutoTokenizer.from_pretrained(str(tpath))
     except (OSError, ValueError) as exc:
@@ -202,10 +276,10 @@ def run_eval(
     ref: dict[str, Any] | None = None
     if engine in ("reference", "both"):
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=torch_dtype).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=target_dtype).eval()
         except (OSError, ValueError) as exc:
             raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
-        draft = load_exported_draft(export_dir, dtype=torch_dtype, validate=False)
+        draft = load_exported_draft(export_dir, dtype=draft_dtype, validate=False)
         eos = model.generation_config.eos_token_id
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         rep = evaluate_prompts(
@@ -214,7 +288,8 @@ def run_eval(
         ref = rep.to_dict(with_outputs=True)
         out.update({"engine": "reference", **{k_: v for k_, v in ref.items() if k_ != "outputs"}})
     if engine in ("vllm", "both"):
-        res = run_vllm_probe(export_dir, ids, max_new_tokens=max_new_tokens, num_speculative_tokens=k)
+        res = run_vllm_probe(export_dir, ids, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
+                             verifier=tpath)
         slim = {k_: v for k_, v in res.items() if k_ != "outputs"}
         if ref is None:
             out.update(slim)

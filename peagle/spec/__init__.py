@@ -33,11 +33,13 @@ from peagle.spec.schema import (
     parse_spec,
     spec_hash,
 )
+from peagle.spec.targets import BUILTIN_TARGET_HUB_IDS, portable_verifier
 
 __all__ = [
     "BUILTIN_DATA",
     "BUILTIN_PROMPT_SETS",
     "BUILTIN_TARGETS",
+    "BUILTIN_TARGET_HUB_IDS",
     "DATASET_PREFIX",
     "PHASES",
     "SPEC_VERSION",
@@ -60,6 +62,7 @@ __all__ = [
     "dataset_ref",
     "load_spec_file",
     "parse_spec",
+    "portable_verifier",
     "preset",
     "preset_names",
     "spec_hash",

@@ -21,6 +21,8 @@ __all__ = [
     "LOSS",
     "PER_POSITION",
     "TAU_SIM",
+    "TOKENS_PER_S",
+    "VLLM_ACCEPTANCE_LENGTH",
     "acc_key",
     "al_pos_key",
     "al_pos_values",
@@ -34,8 +36,12 @@ LOSS = "loss"
 FULL_ACC = "full_acc"
 #: Simulated acceptance length (sum over k of prod_{j<=k} acc_j).
 TAU_SIM = "tau_sim"
+#: Training throughput of a step: non-padding tokens per wall-clock second.
+TOKENS_PER_S = "tokens_per_s"
 #: Measured acceptance length (reference decoder on the eval prompts).
 ACCEPTANCE_LENGTH = "acceptance_length"
+#: Acceptance length measured by a real vLLM engine on the export (the serve check).
+VLLM_ACCEPTANCE_LENGTH = "vllm_acceptance_length"
 #: Depth-d accuracy: `acc_{d}`.
 ACC_PREFIX = "acc_"
 #: Held-out versions of the training metrics: `eval_{key}`.
@@ -72,8 +78,8 @@ def is_eval_key(key: str) -> bool:
 
 
 def is_measured_al_key(key: str) -> bool:
-    """The measured acceptance length or one of its per-position rates."""
-    return key == ACCEPTANCE_LENGTH or key.startswith(AL_POS_PREFIX)
+    """The measured acceptance length (reference decoder or vLLM) or one of its per-position rates."""
+    return key in (ACCEPTANCE_LENGTH, VLLM_ACCEPTANCE_LENGTH) or key.startswith(AL_POS_PREFIX)
 
 
 def key_patterns() -> Mapping[str, str]:

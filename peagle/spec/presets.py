@@ -39,7 +39,9 @@ def _demo() -> dict[str, Any]:
         "checkpoints": {"every_steps": 120, "keep_last": 2, "select_best_by": "tau_sim"},
         # serve_check: the export is loaded in vLLM with parallel drafting when a vLLM venv is there
         # (`make vllm-env`); without one the phase is skipped with a warning.
-        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 8}], "max_new_tokens": 64, "serve_check": True},
+        # AL live: 2 prompts every 40 steps (about 10 s each on 2 cores), the 8 prompts after training.
+        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 8}], "max_new_tokens": 64, "serve_check": True,
+                 "al_every_steps": 40, "al_num_prompts": 2},
         "resources": {"gpus": 0, "device": "cpu"},
     }
 

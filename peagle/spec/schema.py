@@ -105,8 +105,9 @@ class TargetSpec(_Strict):
     name_or_path: str | None = Field(
         default=None,
         max_length=512,
-        description="Verifier name written into the exported config (what `vllm serve` loads); "
-        "default = `model` (a builtin resolves to its local folder).",
+        description="Verifier name written into the exported config (what `vllm serve` loads where the draft "
+        "is downloaded); default = `model`, a builtin its hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`; "
+        "`builtin:tiny-llama` has none and stays as is), a local folder its absolute path.",
     )
 
 
@@ -268,6 +269,17 @@ class EvalSpec(_Strict):
     every_steps: int | None = Field(
         default=None, ge=1, le=10_000_000, description="Held-out tau_sim every N steps; None = at checkpoints."
     )
+    al_every_steps: int | None = Field(
+        default=None, ge=1, le=10_000_000,
+        description="Also measure AL during training every N steps (a live series next to tau_sim; the "
+        "reference decoder on the first `al_num_prompts` prompts of the first prompt set); None = only at "
+        "checkpoints and after training.",
+    )
+    al_num_prompts: int = Field(
+        default=4, ge=1, le=100_000,
+        description="Prompts of the first prompt set for the AL measured during training (periodic and at "
+        "checkpoints); the whole set when checkpoints.select_best_by is acceptance_length.",
+    )
     engine: Literal["reference", "vllm"] = Field(
         default="reference", description="Decoder measuring AL: pure-PyTorch reference or a real vLLM."
     )
@@ -423,6 +435,8 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
     if spec.checkpoints.select_best_by == "tau_sim" and spec.data.eval_samples == 0:
         # tau_sim falls back to the training batch's running per-depth accuracy; allowed but noted.
         pass
+    if spec.eval.al_every_steps is not None and not spec.eval.prompt_sets:
+        bad(("eval", "al_every_steps"), "needs at least one eval.prompt_sets entry to measure AL on")
     names = [s.name for s in spec.eval.prompt_sets]
     if len(set(names)) != len(names):
         bad(("eval", "prompt_sets"), f"prompt set names must be distinct, got {names}")

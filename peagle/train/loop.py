@@ -27,7 +27,7 @@ from peagle.errors import TrainingInterrupted
 from peagle.model.attention import select_attention
 from peagle.model.draft import PEagleDraft
 from peagle.spec import TrainSpec
-from peagle.spec.metrics import eval_key
+from peagle.spec.metrics import TOKENS_PER_S, eval_key
 from peagle.train.batch import BatchSource, select_rows
 from peagle.train.checkpoint import (
     find_resumable,
@@ -82,8 +82,8 @@ class Trainer:
         eval_source: held-out micro-batches (eval_loss, eval_tau_sim, eval_acc_d); None = no eval.
         sink: progress sink (rank 0 only reports).
         extra_writer: `extra_writer(tmp_dir, draft)` adds the vLLM export to every checkpoint.
-        evaluate_hook: `evaluate_hook(draft, step) -> dict` extra metrics at checkpoints (e.g.
-            measured acceptance_length); runs on rank 0.
+        evaluate_hook: `evaluate_hook(draft, step) -> dict` extra metrics (the measured acceptance_length)
+            at every checkpoint and every `eval.al_every_steps` steps, at most once a step; runs on rank 0.
         dist: the DDP context (`init_distributed()`); None = one process.
         device: overrides `resources.device`.
         resume: `auto` continues from the newest complete checkpoint in RUN/checkpoints; `never` ignores it.
@@ -138,6 +138,7 @@ class Trainer:
         self.step = 0
         self.interval = CodMetrics.zeros(p.num_depths)  # training metric sums since the last checkpoint
         self.last_eval: dict[str, float] = {}
+        self._measured: tuple[int, dict[str, float]] | None = None  # (step, evaluate_hook result)
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -177,6 +178,7 @@ class Trainer:
         self.sink.event("phase", phase="training", message=f"training {self.total_steps} steps from step {self.step}")
         every = self.spec.checkpoints.every_steps
         eval_every = self.spec.eval.every_steps
+        al_every = self.spec.eval.al_every_steps
         with GracefulShutdown() as stop:
             while self.step < self.total_steps:
                 values = self._train_step(model)
@@ -185,6 +187,8 @@ class Trainer:
                 epoch = self._micro_range(self.step - 1).stop / self.num_batches
                 if eval_every and self.step % eval_every == 0:
                     values.update(self.evaluate())
+                if al_every and self.step % al_every == 0:
+                    values.update(self.measure())
                 self.sink.metric(self.step, epoch, values)
                 self.sink.event("progress", step=self.step, total_steps=self.total_steps, epoch=epoch)
                 stopping = self.dist.any(stop.requested)
@@ -234,10 +238,10 @@ class Trainer:
         self.interval = self.interval + reduced
         elapsed = time.perf_counter() - t_start
         values = reduced.finalize()
+        values[TOKENS_PER_S] = float(vec[-1]) / max(elapsed, 1e-9)
         values.update(
             lr=float(lr),
             grad_norm=float(grad_norm),
-            tokens_per_s=float(vec[-1]) / max(elapsed, 1e-9),
             time_fetch=times.fetch,
             time_forward=times.forward,
             time_backward=times.backward,
@@ -262,6 +266,15 @@ class Trainer:
         self.last_eval = {eval_key(k): v for k, v in reduced.finalize().items()}
         self.sink.event("eval", step=self.step, metrics=self.last_eval)
         return dict(self.last_eval)
+
+    def measure(self) -> dict[str, float]:
+        """`evaluate_hook` of the current step (measured AL), run at most once a step; {} without a hook
+        or off rank 0."""
+        if self.evaluate_hook is None or not self.dist.is_main:
+            return {}
+        if self._measured is None or self._measured[0] != self.step:
+            self._measured = (self.step, self.evaluate_hook(self.draft, self.step))
+        return dict(self._measured[1])
 
     # ----------------------------------------------------------------------------------------------
     def training_state(self) -> dict[str, Any]:
@@ -292,8 +305,11 @@ class Trainer:
         if not interrupted:
             if self.spec.eval.every_steps is None or not self.last_eval:
                 self.evaluate()
-            if self.evaluate_hook is not None and self.dist.is_main:
-                metrics.update(self.evaluate_hook(self.draft, self.step))
+            fresh = self._measured is None or self._measured[0] != self.step
+            measured = self.measure()
+            metrics.update(measured)
+            if fresh and measured:  # not in this step's metric record yet: an eval record of its own
+                self.sink.event("eval", step=self.step, metrics=measured)
         metrics.update(self.last_eval)
         if not interrupted:
             self.interval = CodMetrics.zeros(self.settings.num_depths)

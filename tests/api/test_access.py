@@ -147,4 +147,4 @@ def test_responses_show_no_server_path(client: TestClient, alice: dict, sim: Any
             assert root not in text, (root, text[:2000])
     assert "not json" not in json.dumps(bad)  # no file content quoted back
     serve = client.get(f"/v1/jobs/{job['id']}/checkpoints/4/serve", headers=alice).json()
-    assert serve["command"] == f"vllm serve {job['id']}-step_000004"
+    assert serve["command"] == f"vllm serve ./{job['id']}-step_000004"

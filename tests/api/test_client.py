@@ -18,7 +18,8 @@ from peagle.client import PeagleClient, ServiceError
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_path: Path, db_url: str) -> None:
+def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_path: Path, db_url: str,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
     key = sim.key("hank", "write")
     with live_server(create_app(settings_factory())) as srv, PeagleClient(srv.url, key) as c:
         job = c.submit(preset="tiny", idempotency_key="x")
@@ -57,6 +58,13 @@ def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_p
         assert sorted(p.name for p in out.iterdir()) == ["config2.json", "model.safetensors"]
         r = runner.invoke(cli_app, ["jobs", "download", jid, "--out", str(out), "--training-state"], env=env)
         assert r.exit_code == 0 and (out / "training_state.pt").read_bytes() == b"opt" * 99, r.output
+        # no --out: the folder the archive unpacks to, and the serve endpoint's command serves it as printed
+        monkeypatch.chdir(tmp_path)
+        r = runner.invoke(cli_app, ["jobs", "download", jid], env=env)
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / f"{jid}-step_000008" / "model.safetensors").read_bytes() == blob
+        serve = c.serve_command(jid, 8)
+        assert r.output.splitlines()[-1] == f"serve with: {serve['command']}" == f"serve with: vllm serve ./{jid}-step_000008"
         r = runner.invoke(cli_app, ["jobs", "cancel", jid], env=env)
         assert r.exit_code == 1 and "illegal_transition" in r.output
         r = runner.invoke(cli_app, ["jobs", "submit", "--preset", "tiny", "--dry-run"], env=env)

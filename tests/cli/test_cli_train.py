@@ -67,6 +67,15 @@ def test_run_directory_layout(tiny_run):
     assert ev["checkpoint"] == state["best"] and ev["acceptance_length"] >= 1.0
 
 
+def test_export_names_a_portable_verifier(tiny_run):
+    run, _ = tiny_run
+    for d in (run / "export", *sorted((run / "checkpoints").glob("step_*"))):
+        text = (d / "config.json").read_text()
+        verifier = json.loads(text)["speculators_config"]["verifier"]["name_or_path"]
+        assert verifier == "builtin:tiny-llama", d  # no hub original: the name any peagle install rebuilds
+        assert '"/' not in text and str(Path.home()) not in text, d  # no path of the training host
+
+
 def _cli(*args: str):
     """In-process CLI call (the subprocess contract is covered by the train run above)."""
     return CliRunner().invoke(app, list(args))

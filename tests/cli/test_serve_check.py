@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+SMOL_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,9 @@ def smollm2_export(smollm2_path, tmp_path_factory):
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[:4096] = True
     init_from_target(draft, target, t2d)
+    # the portable name a demo job's export carries; the probe maps it back to the builtin's folder
     out = export_draft(draft, tmp_path_factory.mktemp("vllm") / "export", num_speculative_tokens=3,
-                       verifier_name_or_path=str(smollm2_path), verifier_architectures=["LlamaForCausalLM"])  # fmt: skip
+                       verifier_name_or_path=SMOL_HUB, verifier_architectures=["LlamaForCausalLM"])  # fmt: skip
     return out, target, draft.eval()
 
 
@@ -56,3 +59,5 @@ def test_vllm_loads_with_parallel_drafting(smollm2_export, smollm2_tokenizer, mo
     ref = evaluate_prompts(target, draft, prompts, num_speculative_tokens=3, max_new_tokens=16)
     cmp = compare_reports(ref.to_dict(with_outputs=True), res)
     assert cmp["num_prompts"] == 2 and cmp["vllm"]["parallel_drafting_ok"] is True
+    # the export still names the hub id: the local folder was given to vLLM through a temporary view
+    assert json.loads((export / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == SMOL_HUB

@@ -81,6 +81,16 @@ class Feeder:
         with session_scope(self.sessions) as s:
             lease_db.ingest(s, self.leases[job_id], lease_db.Batch(**batch))
 
+    def replay(self, job_id: str, lines: list[str]) -> None:
+        """Ingest a trainer's progress lines (`RUN/progress.jsonl`) as the worker's collector files them."""
+        from worker.progress import ProgressCollector
+
+        collector = ProgressCollector()
+        for line in lines:
+            collector.add_line(line)
+        with session_scope(self.sessions) as s:
+            lease_db.ingest(s, self.leases[job_id], collector.take())
+
     def phase(self, job_id: str, phase: str) -> None:
         self.ingest(job_id, phase=phase, events=[{"kind": "phase", "phase": phase, "message": f"phase {phase}"}])
 

@@ -234,6 +234,9 @@ def test_dataset_upload_report(page: object, tmp_path: Path) -> None:
     assert hashlib.sha256(data.read_bytes()).hexdigest() in report.inner_text()
     report.get_by_text(re.compile(r"bad row")).click()
     assert "line 6" in report.inner_text()
+    funnel = report.locator(".funnel")  # the same funnel as the dry run and the job (issue 20)
+    assert "6 conversations read" in funnel.inner_text() and "5 kept" in funnel.inner_text()
+    assert "1 invalid json" in funnel.locator("[data-reason='invalid_json']").inner_text()
     report.get_by_role("button", name="Use for training").click()
     assert pg.get_by_label("Training data").input_value().startswith("dataset:ds_")
     shot(pg, "new-job-dataset-1280")
@@ -275,3 +278,69 @@ def test_final_al_appears_on_the_checkpoint_row_live(page: object, server: Serve
                  "data": {"checkpoint_step": 6, "metrics": {"acceptance_length": 2.345}}}])
     pg.wait_for_function("document.querySelector(\"table.checkpoints tr[data-step='6'] td[data-label='AL']\")"
                          ".textContent.includes('2.345')", timeout=10_000)
+
+
+def test_job_page_shows_the_data_funnel_with_reasons(page: object, server: Server, feeder: object) -> None:
+    """Issue 20: '549 train / 16 eval conversations' with 75 dropped and no reason given anywhere."""
+    from peagle.spec.funnel import funnel
+
+    job_id = _create_job(server, "funnel")
+    feeder.claim(job_id)  # type: ignore[attr-defined]
+    f = funnel(read=652, kept=565, held_out=16, packed_rows=253, train_tokens=258060, truncated=457,
+               dropped_by_reason={"empty_conversation": 5, "no_assistant_turn": 7, "too_long_no_assistant_left": 75})
+    feeder.replay(job_id, [json.dumps({"type": "event", "kind": "phase", "phase": "preparing_data"}),  # type: ignore[attr-defined]
+                           json.dumps({"type": "event", "kind": "data", "message": "data funnel", "funnel": f})])
+    pg = page
+    pg.goto(f"/job.html?id={job_id}")
+    sec = pg.locator("#funnel .funnel")
+    sec.wait_for()
+    text = sec.inner_text()
+    for want in ("652 conversations read", "87 dropped", "565 kept", "16 held out", "549 training conversations",
+                 "253 packed rows", "258,060 training tokens", "457 cut at max_length"):
+        assert want in text, (want, text)
+    reason = sec.locator("[data-reason='too_long_no_assistant_left']")
+    assert "75 too long no assistant left" in reason.inner_text()
+    assert "before any assistant token" in reason.inner_text()  # the sentence from GET /v1/meta
+    shot(pg, "job-funnel-1280")
+
+
+def test_dry_run_shows_phase_times_accuracy_and_funnel(page: object) -> None:
+    pg = page
+    pg.goto("/new.html")
+    pg.get_by_role("button", name="demo").click()
+    pg.get_by_role("button", name="Validate and estimate (dry run)").click()
+    est = pg.locator(".estimate")
+    est.locator(".funnel").wait_for()
+    assert "calibrated model" in est.locator("[data-accuracy]").inner_text()
+    assert "training:" in est.locator(".estimate-phases li[data-phase='training']").inner_text()
+    assert "75 too long no assistant left" in est.locator("[data-reason='too_long_no_assistant_left']").inner_text()
+    assert "652 conversations read" in est.locator(".funnel").inner_text()
+
+
+def test_jobs_list_shows_each_jobs_measured_al(page: object, server: Server, feeder: object) -> None:
+    """Issue 20: the jobs list has an AL / best-metric column, fed by the trainer's own records through
+    the worker's collector (best tau_sim while training, then the measured AL, then vLLM's)."""
+    import json
+
+    job_id = _create_job(server, "al column")
+    feeder.claim(job_id)  # type: ignore[attr-defined]
+
+    def rec(**r: object) -> str:
+        return json.dumps({"type": "event", "time": 0, **r})
+
+    feeder.replay(job_id, [  # type: ignore[attr-defined]
+        rec(kind="progress", step=6, total_steps=12),
+        rec(kind="checkpoint", step=6, is_best=True, metrics={"tau_sim": 0.3271, "loss": 2.0}, files=[]),
+    ])
+    pg = page
+    pg.goto("/")
+    cell = pg.locator(f"tr[data-id='{job_id}'] td[data-label='AL / best']")
+    cell.wait_for()
+    assert cell.inner_text().strip() == "tau_sim 0.33", cell.inner_text()
+    feeder.replay(job_id, [  # type: ignore[attr-defined]
+        rec(kind="eval", step=12, metrics={"acceptance_length": 1.2341463414634146, "per_position": [0.2]}),
+        rec(kind="eval", checkpoint_step=12, metrics={"engine": "vllm", "vllm_acceptance_length": 1.2276}),
+    ])
+    pg.wait_for_function(
+        f"document.querySelector(\"tr[data-id='{job_id}'] td[data-label='AL / best']\").textContent"
+        " === 'AL 1.23 · vLLM 1.23'", timeout=15_000)

@@ -65,7 +65,7 @@ def test_prepare_reports_zero_assistant_rows_and_fails_on_nothing(smollm2_tokeni
     spec = _spec(sources=[{"path": str(p), "format": "messages"}], eval_samples=0, max_length=64)
     pd = prepare_data(spec, smollm2_tokenizer, tmp_path / "run", target_vocab_size=49152, workers=1)
     assert pd.report["train_conversations"] == 1
-    assert pd.report["skipped_by_reason"] == {"missing_field": 1, "too_few_assistant_tokens": 1}
+    assert pd.report["skipped_by_reason"] == {"missing_field": 1, "too_long_no_assistant_left": 1}
     assert {b["line"] for b in pd.report["bad_rows"]} == {1, 3}
     p.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(DataInvalidError, match="no training conversation"):

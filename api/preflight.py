@@ -1,0 +1,114 @@
+"""What a job spec must satisfy before it is queued: one check for create, dry run and clone.
+
+Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
+
+- forbidden (`api.access`): a path no API job may name, or a `dataset:<id>` the caller does not own. Always
+  a 422, dry run included (the spec cannot be estimated for this caller);
+- not runnable yet, known without running anything:
+  - an uploaded dataset that is not `ready`: `invalid` (the message carries the dataset's own error, from
+    its public report) or still `validating` (submit again once it is `ready`: the upload answers only
+    after validation, so this is rare);
+  - a `ready` dataset without a usable row, or whose `skip` skips every row;
+  - a `target.model` folder under the operator's model roots that does not exist or holds no
+    `config.json`.
+
+  Create and clone answer 422 `spec_invalid` and queue nothing; the dry run answers 200 with
+  `valid: false` and the same `problems` (and still its estimate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from api.access import access_problems, under_model_roots
+from api.dataset_checks import public_report
+from api.errors import ApiError
+from peagle.spec import TrainSpec
+from service.channels import dataset_id
+from service.db.models import Dataset
+
+__all__ = ["Preflight", "preflight"]
+
+_SECTIONS = {"target": 0, "data": 1, "eval": 2}
+
+
+@dataclass
+class Preflight:
+    """The outcome of `preflight`: dataset reports for the estimate, and every problem found."""
+
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # `dataset:<id>` -> its stored report
+    problems: list[dict[str, str]] = field(default_factory=list)
+    forbidden: bool = False  # some problem is an access problem (a 422 even for the dry run)
+
+    def check(self, *, dry_run: bool) -> None:
+        """Raise the 422 `spec_invalid` listing every problem, unless only a dry run sees them."""
+        if self.problems and (self.forbidden or not dry_run):
+            raise ApiError(422, "spec_invalid", "; ".join(f"{p['param']}: {p['message']}" for p in self.problems),
+                           param=self.problems[0]["param"], details=self.problems)
+
+
+def _order(problem: dict[str, str]) -> tuple[Any, ...]:
+    parts = problem["param"].strip("/").split("/")
+    return (_SECTIONS.get(parts[0], 9), *(int(p) if p.isdigit() else -1 for p in parts[1:]))
+
+
+def _target_problem(name: str, roots: Sequence[Path]) -> str | None:
+    if not under_model_roots(name, roots):
+        return None  # a builtin or a hub id: the worker resolves it
+    folder = Path(name)
+    if not folder.is_dir():
+        return "no such folder under the server's model roots"
+    if not (folder / "config.json").is_file():
+        return "the folder has no config.json (not a Hugging Face model folder)"
+    return None
+
+
+def _dataset_problem(ds: Dataset, skip: int) -> str | None:
+    ref = f"dataset {ds.id}"
+    if ds.status == "validating":
+        return f"{ref} is still being validated; submit again once GET /v1/datasets/{ds.id} shows status 'ready'"
+    if ds.status != "ready":
+        error = public_report(ds).get("error") or f"see GET /v1/datasets/{ds.id}"
+        return f"{ref} is {ds.status}: {error}"
+    kept = (ds.report or {}).get("rows_kept")
+    if not isinstance(kept, int) or isinstance(kept, bool):
+        return None  # no count in the report: the trainer checks
+    if kept <= 0:
+        return f"{ref} has no usable row"
+    if kept - skip <= 0:
+        return f"{ref} has {kept} usable rows and skip={skip} skips them all"
+    return None
+
+
+def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path]) -> Preflight:
+    """Every problem of `spec` knowable before queueing, for this owner (module docstring)."""
+    out = Preflight(problems=access_problems(spec, model_roots))
+    out.forbidden = bool(out.problems)
+    target = _target_problem(spec.target.model, model_roots)
+    if target is not None:
+        out.problems.append({"param": "/target/model", "message": target})
+    ids = {ds_id for src in spec.data.sources if (ds_id := dataset_id(src.path)) is not None}
+    owned = {ds.id: ds for ds in session.scalars(
+        sa.select(Dataset).where(Dataset.id.in_(ids), Dataset.owner_id == owner_id))} if ids else {}
+    for i, src in enumerate(spec.data.sources):
+        ds_id = dataset_id(src.path)
+        if ds_id is None:
+            continue
+        param = f"/data/sources/{i}/path"
+        ds = owned.get(ds_id)
+        if ds is None:
+            out.problems.append({"param": param, "message": f"no dataset {ds_id!r}"})
+            out.forbidden = True
+            continue
+        out.reports[src.path] = ds.report or {}
+        problem = _dataset_problem(ds, src.skip)
+        if problem is not None:
+            out.problems.append({"param": param, "message": problem})
+    out.problems.sort(key=_order)
+    return out

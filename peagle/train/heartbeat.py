@@ -1,0 +1,103 @@
+"""Progress in the job log: a `ProgressSink` wrapper that adds human-readable `log` records.
+
+Metrics and events go to charts and the events table; someone following the log (`peagle jobs logs JOB
+--follow`, the dashboard's Logs panel) should still see a living job. `ProgressLog` forwards every record
+unchanged and adds an `info` log line
+
+- on every `phase` event: `phase training: training 240 steps from step 0`;
+- on `progress` events (after an optimizer step), at most one line every `every_s` seconds, plus the first
+  step this process runs and the last step of the run:
+  `step 12/240 (5%) loss 2.134 tau_sim 1.231 tokens/s 910 eta 4m10s` (`tau_sim` when the step reported
+  it; `eta` from the rate of the steps run since the first line of this process).
+
+    sink = ProgressLog(MultiSink(JsonlSink(sys.stdout), ...))   # what `run_pipeline` does
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from peagle.spec.metrics import LOSS, TAU_SIM, TOKENS_PER_S
+from peagle.train.progress import ProgressSink
+
+__all__ = ["LOG_EVERY_S", "ProgressLog", "format_duration"]
+
+#: Seconds between two progress lines in the log (the first and last step always get one).
+LOG_EVERY_S = 15.0
+
+
+def format_duration(seconds: float) -> str:
+    """`75` -> `1m15s`, `3725` -> `1h02m`, `9` -> `9s`."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(float(value)) else None
+
+
+class ProgressLog:
+    """Forwards to `sink`; adds phase and rate-limited step lines as `log` records (module docstring).
+
+    Args:
+        sink: where every record goes.
+        every_s: least seconds between two step lines.
+        clock: monotonic seconds (injected by tests).
+    """
+
+    def __init__(self, sink: ProgressSink, *, every_s: float = LOG_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sink, self.every_s, self.clock = sink, every_s, clock
+        self._values: dict[str, float] = {}
+        self._origin: tuple[float, int] | None = None  # (clock, step) of the first step seen
+        self._last_line: float | None = None
+
+    def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        self.sink.metric(step, epoch, values)
+        if LOSS in values:  # a training step's record (eval and AL records carry other keys)
+            self._values = dict(values)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.sink.event(kind, **fields)
+        if kind == "phase":
+            message = fields.get("message")
+            self.sink.log("info", f"phase {fields.get('phase')}" + (f": {message}" if message else ""))
+        elif kind == "progress":
+            self._progress(fields)
+
+    def log(self, level: str, message: str) -> None:
+        self.sink.log(level, message)
+
+    def _progress(self, fields: dict[str, Any]) -> None:
+        step, total = fields.get("step"), fields.get("total_steps")
+        if not isinstance(step, int) or not isinstance(total, int):
+            return
+        now = self.clock()
+        if self._origin is None:
+            self._origin = (now, step)
+            due = True
+        else:
+            due = step >= total or self._last_line is None or now - self._last_line >= self.every_s
+        if due:
+            self._last_line = now
+            self.sink.log("info", self.line(step, total, now))
+
+    def line(self, step: int, total: int, now: float) -> str:
+        """The step line for `step` of `total` at clock `now`."""
+        parts = [f"step {step}/{total} ({100 * step // max(total, 1)}%)"]
+        for key, label, fmt in ((LOSS, "loss", "{:.4g}"), (TAU_SIM, "tau_sim", "{:.3f}"),
+                                (TOKENS_PER_S, "tokens/s", "{:.0f}")):
+            value = _num(self._values.get(key))
+            if value is not None:
+                parts.append(f"{label} {fmt.format(value)}")
+        t0, s0 = self._origin or (now, step)
+        if step < total and step > s0 and now > t0:
+            parts.append(f"eta {format_duration((total - step) * (now - t0) / (step - s0))}")
+        return " ".join(parts)

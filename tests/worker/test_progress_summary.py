@@ -1,0 +1,29 @@
+"""The worker folds the job's headline numbers (measured AL, best held-out tau_sim) into its progress."""
+
+from __future__ import annotations
+
+from worker.progress import ProgressCollector
+
+
+def test_headline_numbers_follow_the_records_and_survive_later_progress() -> None:
+    c = ProgressCollector()
+    c.add({"type": "event", "kind": "progress", "step": 4, "total_steps": 8})
+    assert "acceptance_length" not in (c.batch.progress or {})
+    c.add({"type": "event", "kind": "checkpoint", "step": 4, "is_best": False, "metrics": {"tau_sim": 0.9}})
+    assert "best_tau_sim" not in (c.batch.progress or {})  # not the best checkpoint
+    c.add({"type": "event", "kind": "checkpoint", "step": 4, "is_best": True, "metrics": {"tau_sim": 0.31}})
+    assert c.take().progress == {"step": 4, "total_steps": 8, "epoch": None, "percent": 50.0,
+                                 "seconds_remaining": None, "best_tau_sim": 0.31}
+    c.add({"type": "event", "kind": "eval", "step": 8, "metrics": {"acceptance_length": 1.25}})
+    assert c.take().progress["acceptance_length"] == 1.25
+    c.add({"type": "event", "kind": "progress", "step": 8, "total_steps": 8})
+    p = c.take().progress
+    assert p["step"] == 8 and p["acceptance_length"] == 1.25 and p["best_tau_sim"] == 0.31
+    c.add({"type": "event", "kind": "eval", "metrics": {"engine": "vllm", "vllm_acceptance_length": 1.2}})
+    assert c.take().progress["vllm_acceptance_length"] == 1.2
+
+
+def test_non_finite_al_is_not_a_headline() -> None:
+    c = ProgressCollector()
+    c.add({"type": "event", "kind": "eval", "metrics": {"acceptance_length": float("nan")}})
+    assert c.batch.progress is None
