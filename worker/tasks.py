@@ -70,9 +70,10 @@ def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) 
         except Exception as exc:
             log.exception("job %s: supervisor failed", job_id)
             with session_scope(factory) as s:
-                finish(s, lease, status=states.FAILED, error_code="worker_error",
-                       error_message=f"worker error: {type(exc).__name__}: {exc}", retryable=True,
-                       event=("error", f"worker error: {type(exc).__name__}: {exc}"))
+                # the exception's text can name host paths or quote files: it stays in the worker log
+                shown = f"worker error: {type(exc).__name__} (details in the worker log)"
+                finish(s, lease, status=states.FAILED, error_code="worker_error", error_message=shown,
+                       retryable=True, event=("error", shown))
             return states.FAILED
     finally:
         if publisher is not None:
