@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic.fields import FieldInfo
 
+from peagle.spec.doc import generated_doc_main, replace_marked
 from service.settings import Settings
 
 __all__ = ["END", "START", "render", "replace_in"]
@@ -74,26 +75,12 @@ def render() -> str:
 
 def replace_in(text: str) -> str:
     """`text` with the part between the markers replaced by a fresh `render()`."""
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    return f"{head}{START}\n{render()}{END}{tail}"
+    return replace_marked(text, START, END, render())
 
 
 def main(argv: list[str]) -> int:
     """`--write PATH` refreshes the table in PATH; without arguments, print it."""
-    if len(argv) == 2 and argv[0] == "--write":
-        path = Path(argv[1])
-        text = path.read_text(encoding="utf-8")
-        if START not in text or END not in text:
-            sys.stderr.write(f"{path}: no {START} ... {END} markers\n")
-            return 2
-        path.write_text(replace_in(text), encoding="utf-8")
-        return 0
-    if argv:
-        sys.stderr.write("usage: python -m service.settings_doc [--write PATH]\n")
-        return 2
-    sys.stdout.write(render())
-    return 0
+    return generated_doc_main(argv, prog="service.settings_doc", start=START, end=END, render=render)
 
 
 if __name__ == "__main__":

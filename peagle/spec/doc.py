@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -88,20 +89,38 @@ def render() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def replace_marked(text: str, start: str, end: str, body: str) -> str:
+    """`text` with the part between the `start` and `end` markers replaced by `body`."""
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    return f"{head}{start}\n{body}{end}{tail}"
+
+
+def generated_doc_main(argv: list[str], *, prog: str, start: str, end: str, render: Callable[[], str]) -> int:
+    """The command line of a generated document: `--write PATH` refreshes the marked part of PATH,
+    no argument prints it. Shared by this reference and the settings table (`service.settings_doc`)."""
+    if len(argv) == 2 and argv[0] == "--write":
+        path = Path(argv[1])
+        text = path.read_text(encoding="utf-8")
+        if start not in text or end not in text:
+            sys.stderr.write(f"{path}: no {start} ... {end} markers\n")
+            return 2
+        path.write_text(replace_marked(text, start, end, render()), encoding="utf-8")
+        return 0
+    if argv:
+        sys.stderr.write(f"usage: python -m {prog} [--write PATH]\n")
+        return 2
+    sys.stdout.write(render())
+    return 0
+
+
 def replace_in(text: str) -> str:
     """`text` with the marked README section replaced by the current reference."""
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    return f"{head}{START}\n{render()}{END}{tail}"
+    return replace_marked(text, START, END, render())
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "--write":
-        path = Path(argv[1])
-        path.write_text(replace_in(path.read_text(encoding="utf-8")), encoding="utf-8")
-        return 0
-    sys.stdout.write(render())
-    return 0
+    return generated_doc_main(argv, prog="peagle.spec.doc", start=START, end=END, render=render)
 
 
 if __name__ == "__main__":
