@@ -291,22 +291,33 @@ def export_cmd(
 
 def validate_cmd(
     directory: Path = typer.Argument(..., help="Export dir (or a run dir: RUN/export)."),
-    as_json: bool = typer.Option(False, "--json", help="Print {ok, violations} as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print {ok, violations, warnings} as JSON."),
 ) -> None:
-    """Check a directory against every rule vLLM enforces for a P-EAGLE draft."""
+    """Check a directory against every rule vLLM enforces for a P-EAGLE draft.
+
+    Errors (vLLM refuses the draft or serves it wrongly) exit 8; warnings (conventions vLLM does not
+    enforce, e.g. fp32 weights) are printed to stderr and exit 0.
+    """
     from peagle.errors import ExportInvalidError
-    from peagle.export.writer import validate_export
+    from peagle.export.rules import validate_export_report
 
     target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
-    bad = validate_export(target)
+    report = validate_export_report(target)
+    bad = report.errors
+    if not bad:  # with errors stderr keeps its one `error:` line (warnings are in --json)
+        for w in report.warnings:
+            typer.echo(f"warning: {w}", err=True)
     if as_json:
-        typer.echo(json.dumps({"dir": str(target), "ok": not bad, "violations": bad}))
+        typer.echo(
+            json.dumps({"dir": str(target), "ok": not bad, "violations": bad, "warnings": report.warnings})
+        )
         if bad:
             raise typer.Exit(EXIT_CODES["export_invalid"])
         return
     if bad:
         raise _fail(str(ExportInvalidError(bad)), EXIT_CODES["export_invalid"])
-    typer.echo(f"ok: {target} is a valid vLLM P-EAGLE export")
+    note = f" ({len(report.warnings)} warnings)" if report.warnings else ""
+    typer.echo(f"ok: {target} is a valid vLLM P-EAGLE export{note}")
 
 
 def eval_cmd(
