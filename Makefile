@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test venv deps services vllm-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
+.PHONY: run test venv deps services vllm-env-if-possible peer-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
 
 # pip's output without what is noise on every first run: setuptools' editable-install banner
 # ("InformationOnly: Editable installation ... Please be careful with folders in your working directory",
@@ -89,7 +89,7 @@ typecheck: venv
 pytest: venv
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-test: venv deps services vllm-env-if-possible
+test: venv deps services vllm-env-if-possible peer-env-if-possible
 	@echo "==> ruff"
 	@$(VPY) -m ruff check .
 	@echo "==> import contracts"
@@ -113,6 +113,15 @@ vllm-env:
 # The serve-check test needs the separate vLLM CPU venv; a failed build only makes that test skip.
 vllm-env-if-possible:
 	@bash bench/vllm_env.sh || echo "WARNING: the vLLM CPU venv could not be built; the vLLM serve-check test will skip"
+
+# speculators 0.9.0 (.peer-venv): the benches' peer, and the maker of the checkpoint the validator test
+# must accept (tests/cli/test_peer_checkpoint.py); a failed build only makes those tests skip.
+peer-env:
+	@bash bench/peer_env.sh
+
+peer-env-if-possible:
+	@echo "==> speculators peer venv (.peer-venv; first time: about 2 minutes)"
+	@bash bench/peer_env.sh >/dev/null 2>&1 || echo "WARNING: the speculators peer venv could not be built; its tests will skip"
 
 clean:
 	rm -rf .peagle .pytest_cache
