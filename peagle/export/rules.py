@@ -185,12 +185,7 @@ def _check_speculators_config(cfg: dict[str, Any], r: ExportReport) -> dict[str,
         bad.append(
             "config.json: mask_token_id is required (vLLM maps it to pard_token; without it loading fails)"
         )
-    for flag in _APPLIED_NORM_FLAGS:
-        if cfg.get(flag, False) is not False:
-            warn.append(
-                f"config.json: {flag} is {cfg[flag]!r}: vLLM applies it, but peagle's reference decoder "
-                "does not (use `peagle eval --engine vllm` for this draft)"
-            )
+    warn.extend(_applied_norm_warnings(cfg))
     for flag in _DROPPED_NORM_FLAGS:
         if cfg.get(flag, False) is not False:
             bad.append(
@@ -224,13 +219,18 @@ def _check_eagle3_config(cfg: dict[str, Any], r: ExportReport) -> dict[str, Any]
             "config.json: parallel_drafting is not true; vLLM reads it only from --speculative-config "
             '(serve with "parallel_drafting": true)'
         )
-    for flag in _APPLIED_NORM_FLAGS:
-        if cfg.get(flag, False) is not False:
-            warn.append(
-                f"config.json: {flag} is {cfg[flag]!r}: vLLM applies it, but peagle's reference decoder "
-                "does not (use `peagle eval --engine vllm` for this draft)"
-            )
+    warn.extend(_applied_norm_warnings(cfg))
     return cfg
+
+
+def _applied_norm_warnings(cfg: dict[str, Any]) -> list[str]:
+    """Norm flags vLLM applies but the reference decoder does not (both layouts)."""
+    return [
+        f"config.json: {flag} is {cfg[flag]!r}: vLLM applies it, but peagle's reference decoder "
+        "does not (use `peagle eval --engine vllm` for this draft)"
+        for flag in _APPLIED_NORM_FLAGS
+        if cfg.get(flag, False) is not False
+    ]
 
 
 def _check_layer_config(layer: dict[str, Any], cfg: dict[str, Any], r: ExportReport, where: str) -> None:
