@@ -18,26 +18,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from peagle.engine.locate import vllm_python
 from peagle.errors import ResourceError
 
 __all__ = ["compare_reports", "loadable_export", "probe_script", "reference_dtypes", "run_eval", "run_vllm_probe",
            "vllm_python"]
 
-_REPO = Path(__file__).resolve().parents[2]
-
-
 def probe_script() -> Path:
     """Path of the script run inside the vLLM venv."""
     return Path(__file__).resolve().with_name("vllm_probe.py")
-
-
-def vllm_python() -> Path | None:
-    """The Python of the vLLM venv (`PEAGLE_VLLM_PYTHON`, else `<repo>/.vllm-venv/bin/python`), or None."""
-    env = os.environ.get("PEAGLE_VLLM_PYTHON")
-    for cand in ([Path(env)] if env else []) + [_REPO / ".vllm-venv" / "bin" / "python"]:
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return cand
-    return None
 
 
 def _verifier_of(export_dir: Path) -> str | None:

@@ -17,6 +17,13 @@ user wrote it. The pipeline saves the result as `resolved_spec.json` with the ru
 | draft.aux_layer_ids            | [2, N//2, N-3] for an N-layer target ([1, N//2, N-1] if N<7)|
 | draft.mask_token_id            | what `peagle.data.vocab` picked                             |
 | draft.draft_vocab_size, optim.max_steps | what the data gave                                 |
+| resources.target_engine        | vllm when vLLM is installed (`vllm_available`), else hf     |
+| data.regenerate.engine         | resources.target_engine                                     |
+| data.regenerate.enabled        | true when data.regenerate.engine is vllm                    |
+| eval.engine                    | vllm when resources.target_engine is vllm, else reference   |
+| resources.capture_gpus / train_gpus | vllm on GPUs: the engine gets tp x dp GPUs when that leaves the trainer one, else both share them all |
+| resources.vllm.max_model_len   | data.max_length + data.regenerate.max_new_tokens            |
+| resources.vllm.gpu_memory_utilization | 0.9 on GPUs the engine has alone, 0.45 on shared ones |
 """
 
 from __future__ import annotations
@@ -58,10 +65,38 @@ def resolve_spec(
     mask_token_id: int | None = None,
     draft_vocab_size: int | None = None,
     max_steps: int | None = None,
+    vllm_available: bool | None = None,
 ) -> TrainSpec:
-    """A copy of `spec` with its derived values filled in (see the module table); `spec` is unchanged."""
+    """A copy of `spec` with its derived values filled in (see the module table); `spec` is unchanged.
+
+    `vllm_available` is whether a vLLM engine can be started here (`peagle.engine.locate.vllm_available`);
+    None leaves an `auto` target engine (and what follows from it) as written.
+    """
     out = spec.model_copy(deep=True)
     r = out.resources
+    if r.target_engine == "auto" and vllm_available is not None:
+        r.target_engine = "vllm" if vllm_available else "hf"
+    regen = out.data.regenerate
+    if regen.engine == "auto" and r.target_engine != "auto":
+        regen.engine = r.target_engine
+    if regen.enabled == "auto" and regen.engine != "auto":
+        regen.enabled = regen.engine == "vllm"
+    if out.eval.engine == "auto" and r.target_engine != "auto":
+        out.eval.engine = "vllm" if r.target_engine == "vllm" else "reference"
+    if r.target_engine == "vllm":
+        v = r.vllm
+        if r.gpus > 0 and r.capture_gpus is None:
+            want = v.tensor_parallel_size * v.data_parallel_size
+            if r.train_gpus is not None:
+                r.capture_gpus = r.gpus - r.train_gpus
+            else:
+                r.capture_gpus = want if want < r.gpus else 0  # 0: the engine shares the trainer's GPUs
+        if r.gpus > 0 and r.train_gpus is None:
+            r.train_gpus = r.gpus - (r.capture_gpus or 0)
+        if v.max_model_len is None:
+            v.max_model_len = out.data.max_length + (regen.max_new_tokens if regen.enabled is True else 0)
+        if v.gpu_memory_utilization is None and r.gpus > 0:
+            v.gpu_memory_utilization = 0.9 if r.capture_gpus else 0.45
     if r.device == "auto":
         r.device = "cuda" if cuda_available else "cpu"
     on_cuda = r.device == "cuda"

@@ -46,6 +46,7 @@ __all__ = [
     "BUILTIN_TARGETS",
     "DATASET_PREFIX",
     "SPEC_VERSION",
+    "VLLM_EXTRA_FLAGS",
     "CheckpointSpec",
     "DataSource",
     "DataSpec",
@@ -60,6 +61,7 @@ __all__ = [
     "SpecProblem",
     "TargetSpec",
     "TrainSpec",
+    "VllmSpec",
     "cross_field_problems",
     "dataset_id",
     "dataset_ref",
@@ -131,12 +133,27 @@ class DataSource(_Strict):
 
 
 class RegenerateSpec(_Strict):
-    """Replace assistant turns with the target's own answers (makes drafts accept more)."""
+    """Replace assistant turns with the target's own answers (on-policy data: drafts accept more)."""
 
-    enabled: bool = Field(default=False, description="Regenerate assistant responses with the target.")
+    enabled: bool | Literal["auto"] = Field(
+        default=False,
+        description="Regenerate assistant responses with the target; auto = when the resolved target engine "
+        "is vllm (the transformers path generates about 40x slower on a CPU).",
+    )
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        default="auto", description="Generation engine; auto = resources.target_engine as resolved."
+    )
     temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0 = greedy.")
     max_new_tokens: int = Field(default=512, ge=1, le=32768, description="Per regenerated turn.")
-    batch_size: int = Field(default=8, ge=1, le=1024, description="Prompts per generate() call.")
+    on_length: Literal["drop", "keep"] = Field(
+        default="drop",
+        description="A conversation with an answer cut at max_new_tokens (finish_reason length): drop it "
+        "(counted in the data funnel) or keep the cut answer.",
+    )
+    batch_size: int = Field(
+        default=8, ge=1, le=1024,
+        description="Prompts per generate() call (hf); conversations in flight at once (vllm).",
+    )
 
 
 class DataSpec(_Strict):
@@ -280,18 +297,85 @@ class EvalSpec(_Strict):
         description="Prompts of the first prompt set for the AL measured during training (periodic and at "
         "checkpoints); the whole set when checkpoints.select_best_by is acceptance_length.",
     )
-    engine: Literal["reference", "vllm"] = Field(
-        default="reference", description="Decoder measuring AL: pure-PyTorch reference or a real vLLM."
+    engine: Literal["auto", "reference", "vllm"] = Field(
+        default="auto",
+        description="Decoder measuring AL: pure-PyTorch reference (needs the target in the trainer process) or "
+        "a real vLLM; auto = vllm when the resolved target engine is vllm, else reference.",
     )
     serve_check: bool = Field(default=False, description="Load the export in vLLM (if installed) after training.")
+
+
+#: Flags a job may pass to `vllm serve` in `resources.vllm.extra_args` (each with the kind of value it takes:
+#: `None` = a switch). Anything else is refused: a flag such as `--kv-transfer-config` or `--chat-template`
+#: would load code or read files of the worker's choosing, `--port`/`--host` would break the engine's
+#: supervision.
+VLLM_EXTRA_FLAGS: dict[str, str | None] = {
+    "--max-num-seqs": "int",
+    "--max-num-batched-tokens": "int",
+    "--block-size": "int",
+    "--swap-space": "float",
+    "--cpu-offload-gb": "float",
+    "--kv-cache-dtype": "word",
+    "--quantization": "word",
+    "--seed": "int",
+    "--pipeline-parallel-size": "int",
+    "--enable-expert-parallel": None,
+    "--enable-chunked-prefill": None,
+    "--no-enable-chunked-prefill": None,
+    "--enforce-eager": None,
+    "--disable-custom-all-reduce": None,
+}
+
+
+class VllmSpec(_Strict):
+    """How the vLLM target engine runs (passed through to `vllm serve`)."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="`--tensor-parallel-size`.")
+    data_parallel_size: int = Field(default=1, ge=1, le=64, description="`--data-parallel-size`.")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0.0, le=1.0,
+        description="`--gpu-memory-utilization`; None = 0.9 on GPUs the engine has alone, 0.45 on a GPU it "
+        "shares with the trainer.",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=1_048_576,
+        description="`--max-model-len`; None = data.max_length + data.regenerate.max_new_tokens.",
+    )
+    extra_args: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        default_factory=list, max_length=32,
+        description="More `vllm serve` flags, only from an allowed list (`peagle.spec.schema.VLLM_EXTRA_FLAGS`: "
+        "scheduling, cache, quantization); e.g. `[\"--max-num-seqs\", \"64\"]`.",
+    )
 
 
 class ResourceSpec(_Strict):
     """Hardware and placement."""
 
     gpus: int = Field(default=0, ge=0, le=64, description="GPUs for this job (0 = CPU; >1 runs torchrun/DDP).")
+    target_engine: Literal["auto", "hf", "vllm"] = Field(
+        default="auto",
+        description="Where the target runs for regeneration and feature capture: vllm (an inference engine "
+        "beside a draft-only trainer: any target size, its own tensor/data parallelism) or hf (transformers, "
+        "in the trainer process); auto = vllm where vLLM is installed (its venv or this environment), else hf.",
+    )
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="The vLLM engine (target_engine vllm).")
+    capture_gpus: int | None = Field(
+        default=None, ge=0, le=64,
+        description="GPUs of `gpus` for the vLLM engine; None = tensor_parallel_size x data_parallel_size when "
+        "gpus leaves the trainer at least one, else shared with the trainer.",
+    )
+    train_gpus: int | None = Field(
+        default=None, ge=0, le=64, description="GPUs of `gpus` for the trainer (torchrun); None = the rest."
+    )
     capture: Literal["online", "offline"] = Field(
-        default="online", description="Target features computed in the loop (online) or cached to disk."
+        default="online",
+        description="Target features computed as training goes (online: in the loop with hf; with vllm the "
+        "engine runs ahead of the trainer and consumed shards are deleted) or all cached to disk first.",
+    )
+    feature_disk_gb: float = Field(
+        default=20.0, gt=0.0, le=100_000.0,
+        description="Disk the engine may fill with feature shards ahead of the trainer (online capture with "
+        "vllm); the engine waits when it is reached.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto = cuda if available.")
     attention: Literal["auto", "sdpa", "flex"] = Field(
@@ -342,6 +426,7 @@ class TrainSpec(_Strict):
         mask_token_id: int | None = None,
         draft_vocab_size: int | None = None,
         max_steps: int | None = None,
+        vllm_available: bool | None = None,
     ) -> TrainSpec:
         """This spec with every derived value filled in: the one place "auto" is decided.
 
@@ -350,7 +435,8 @@ class TrainSpec(_Strict):
         from peagle.spec.resolve import resolve_spec
 
         return resolve_spec(self, cuda_available=cuda_available, target_num_layers=target_num_layers,
-                            mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size, max_steps=max_steps)
+                            mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size, max_steps=max_steps,
+                            vllm_available=vllm_available)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -427,6 +513,7 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
         bad(("resources", "attention"), "flex attention has no backward on CPU: use 'sdpa' or 'auto'")
     if r.precision == "bf16" and r.device == "cpu":
         bad(("resources", "precision"), "bf16 autocast is for CUDA; use 'fp32' or 'auto' on CPU")
+    out.extend(_engine_problems(spec))
     if spec.checkpoints.select_best_by == "acceptance_length" and not spec.eval.prompt_sets:
         bad(
             ("checkpoints", "select_best_by"),
@@ -441,6 +528,77 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
     if len(set(names)) != len(names):
         bad(("eval", "prompt_sets"), f"prompt set names must be distinct, got {names}")
     return out
+
+
+def _engine_problems(spec: TrainSpec) -> list[SpecProblem]:
+    """Rules of the target engine and its placement (`resources.target_engine`, `resources.vllm`, GPUs)."""
+    out: list[SpecProblem] = []
+    r, v = spec.resources, spec.resources.vllm
+
+    def bad(loc: tuple[str | int, ...], msg: str) -> None:
+        out.append(SpecProblem(loc=loc, message=msg))
+
+    args = v.extra_args
+    i = 0
+    while i < len(args):
+        flag, _, inline = args[i].partition("=")
+        kind = VLLM_EXTRA_FLAGS.get(flag, "unknown")
+        if kind == "unknown":
+            bad(("resources", "vllm", "extra_args", i),
+                f"{flag!r} is not an allowed vllm serve flag (allowed: {', '.join(sorted(VLLM_EXTRA_FLAGS))})")
+            i += 1
+            continue
+        if kind is None:
+            if inline:
+                bad(("resources", "vllm", "extra_args", i), f"{flag} is a switch and takes no value")
+            i += 1
+            continue
+        value = inline if inline else (args[i + 1] if i + 1 < len(args) else None)
+        if value is None:
+            bad(("resources", "vllm", "extra_args", i), f"{flag} needs a value")
+        elif not _flag_value_ok(kind, value):
+            bad(("resources", "vllm", "extra_args", i if inline else i + 1),
+                f"{flag} takes {'an integer' if kind == 'int' else 'a number' if kind == 'float' else 'a word'}, "
+                f"got {value!r}")
+        i += 1 if inline else 2
+    if r.target_engine == "hf" and spec.data.regenerate.engine == "vllm":
+        bad(("data", "regenerate", "engine"), "'vllm' needs resources.target_engine 'vllm' or 'auto'")
+    if r.gpus == 0:
+        for name in ("capture_gpus", "train_gpus"):
+            if getattr(r, name):
+                bad(("resources", name), "must be 0 or unset when resources.gpus is 0 (CPU job)")
+        if v.tensor_parallel_size > 1 or v.data_parallel_size > 1:
+            bad(("resources", "vllm", "tensor_parallel_size" if v.tensor_parallel_size > 1 else "data_parallel_size"),
+                "must be 1 on a CPU job (resources.gpus 0)")
+        return out
+    cap, tr = r.capture_gpus, r.train_gpus
+    if cap is not None and tr is not None and cap + tr != r.gpus:
+        bad(("resources", "train_gpus"),
+            f"resources.capture_gpus ({cap}) + resources.train_gpus ({tr}) must equal resources.gpus ({r.gpus})")
+    if cap is not None and cap > r.gpus:
+        bad(("resources", "capture_gpus"), f"must be <= resources.gpus ({r.gpus}), got {cap}")
+    if tr is not None and tr > r.gpus:
+        bad(("resources", "train_gpus"), f"must be <= resources.gpus ({r.gpus}), got {tr}")
+    if tr == 0 and (cap is None or cap == r.gpus) and r.gpus > 0:
+        bad(("resources", "train_gpus"), "the trainer needs at least one GPU")
+    engine_gpus = v.tensor_parallel_size * v.data_parallel_size
+    if cap is not None and cap > 0 and engine_gpus != cap:
+        bad(("resources", "vllm", "tensor_parallel_size"),
+            f"tensor_parallel_size x data_parallel_size ({engine_gpus}) must equal resources.capture_gpus ({cap})")
+    if cap is None and engine_gpus > r.gpus:
+        bad(("resources", "vllm", "tensor_parallel_size"),
+            f"tensor_parallel_size x data_parallel_size ({engine_gpus}) must be <= resources.gpus ({r.gpus})")
+    return out
+
+
+def _flag_value_ok(kind: str, value: str) -> bool:
+    import re
+
+    if kind == "int":
+        return re.fullmatch(r"[0-9]{1,9}", value) is not None
+    if kind == "float":
+        return re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?", value) is not None
+    return re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", value) is not None
 
 
 # --------------------------------------------------------------------------------------------------
