@@ -8,6 +8,7 @@
         ├── ExportInvalidError             export_invalid         peagle.errors: vLLM would reject it
         ├── CheckpointError                checkpoint_invalid     peagle.errors: missing/corrupt checkpoint
         ├── ResourceError                  resource_unavailable   peagle.errors: e.g. mask too large for CPU
+        ├── EngineError                    engine_failed          peagle.errors: the vLLM target engine failed
         ├── TrainingInterrupted            interrupted            peagle.errors: SIGTERM, checkpoint saved
         ├── ServiceError                   (per answer)           peagle.client: an error answer of the API
         ├── IllegalTransition              illegal_transition     service.db.states: state machine refuses
@@ -32,6 +33,7 @@ __all__ = [
     "EXIT_CODES",
     "CheckpointError",
     "DataInvalidError",
+    "EngineError",
     "ExportInvalidError",
     "PeagleError",
     "ResourceError",
@@ -83,6 +85,13 @@ class ResourceError(PeagleError):
     code = "resource_unavailable"
 
 
+class EngineError(PeagleError):
+    """The target's inference engine (vLLM) is missing, failed to start, could not load the target, or
+    died; the message names the command, the reason and the last lines of the engine's log."""
+
+    code = "engine_failed"
+
+
 class TrainingInterrupted(PeagleError):
     code = "interrupted"
 
@@ -100,5 +109,6 @@ EXIT_CODES = {
     "export_invalid": 8,
     "resource_unavailable": 9,
     "checkpoint_invalid": 10,
+    "engine_failed": 11,
     "interrupted": 75,  # EX_TEMPFAIL: checkpoint saved, resumable
 }

@@ -114,7 +114,7 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_feature_shards(
-    capture: TargetCapture,
+    capture: TargetCapture | Any,
     rows: PackedRows,
     out_dir: str | Path,
     *,
@@ -124,6 +124,9 @@ def write_feature_shards(
     sink: Any = None,
 ) -> dict[str, Any]:
     """Capture features of every row into safetensors shards; resumable, never rewrites finished shards.
+
+    `capture` is a `TargetCapture` or anything with its interface (`peagle.target.vllm_capture.VllmCapture`:
+    the engine computes the states; its `batch_rows` sets how many rows go to it at once).
 
     Returns:
         The final manifest (``complete`` true after checking that every row has its features).
@@ -170,8 +173,9 @@ def write_feature_shards(
             continue
         start, end = k * rows_per_shard, min((k + 1) * rows_per_shard, len(rows))
         parts: dict[str, list[Tensor]] = {"aux": [], "final": []}
-        for b in range(start, end, batch_size):
-            idx = list(range(b, min(b + batch_size, end)))
+        step = int(getattr(capture, "batch_rows", batch_size))
+        for b in range(start, end, step):
+            idx = list(range(b, min(b + step, end)))
             part = rows.select(idx)
             aux, final = capture.hidden(part.input_ids, part.document_ids)
             parts["aux"].append(aux.to(aux_dtype).cpu())
