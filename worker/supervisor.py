@@ -51,6 +51,7 @@ from service.db.lease import (
     finish,
     heartbeat,
     ingest,
+    job_owner_id,
     job_status,
     record_task_id,
     requeue_crashed,
@@ -62,7 +63,7 @@ from worker.progress import ProgressCollector, parse_line
 from worker.provenance import read_json, worker_provenance
 from worker.redact import Redactor
 
-__all__ = ["Outcome", "Supervisor", "build_command", "classify_exit"]
+__all__ = ["Outcome", "Supervisor", "build_command", "classify_exit", "trainer_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,20 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _resolved(spec: TrainSpec | dict[str, Any]) -> TrainSpec:
+    """The spec with its target engine resolved as the trainer will (vLLM installed on this worker?)."""
+    from peagle.engine.locate import vllm_available
+
+    parsed = parse_spec(spec)
+    return parsed.resolve(cuda_available=parsed.resources.gpus > 0, vllm_available=vllm_available())
+
+
 def build_command(settings: Settings, spec: TrainSpec | dict[str, Any], spec_path: Path, run_dir: Path) -> list[str]:
-    """The trainer command line: `peagle train` (under `torchrun` when the job asks for > 1 GPU)."""
-    gpus = parse_spec(spec).resources.gpus
+    """The trainer command line: `peagle train` (under `torchrun` when the trainer gets > 1 GPU: the job's
+    GPUs, less those the vLLM target engine takes, `resources.train_gpus`)."""
+    resolved = _resolved(spec)
+    r = resolved.resources
+    gpus = (r.train_gpus or r.gpus) if r.target_engine == "vllm" else r.gpus
     tail = ["train", str(spec_path), "--out", str(run_dir), "--progress-jsonl", "-", "--resume", "auto"]
     if settings.trainer_command:
         return [*shlex.split(settings.trainer_command), *tail]
@@ -87,6 +99,33 @@ def build_command(settings: Settings, spec: TrainSpec | dict[str, Any], spec_pat
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                 "--module", "peagle", *tail]
     return [sys.executable, "-m", "peagle", *tail]
+
+
+def trainer_environment(spec: TrainSpec | dict[str, Any], *, visible: str | None, regen_cache: Path | None
+                        ) -> dict[str, str]:
+    """What the trainer's environment adds for its target engine: its GPUs (`CUDA_VISIBLE_DEVICES`) and the
+    engine's (`PEAGLE_ENGINE_DEVICES`), split by `peagle.engine.placement.split_devices`, and the owner's
+    own regeneration cache (`PEAGLE_REGEN_CACHE`: a tenant never reads another's cached answers).
+
+    Args:
+        spec: the job spec.
+        visible: this worker's `CUDA_VISIBLE_DEVICES` (None = every GPU torch would see, numbered from 0).
+        regen_cache: the owner's regeneration cache folder.
+    """
+    from peagle.engine.placement import split_devices
+
+    env: dict[str, str] = {}
+    if regen_cache is not None:
+        env["PEAGLE_REGEN_CACHE"] = str(regen_cache)
+    resolved = _resolved(spec)
+    r = resolved.resources
+    if r.gpus == 0 or r.target_engine != "vllm":
+        return env
+    names = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(r.gpus)]
+    engine, trainer = split_devices(names[: r.gpus], r.capture_gpus or 0, r.train_gpus or r.gpus)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(trainer)
+    env["PEAGLE_ENGINE_DEVICES"] = ",".join(engine)
+    return env
 
 
 def classify_exit(returncode: int, stderr_tail: list[str], last_error: dict[str, Any] | None
@@ -149,6 +188,7 @@ class Supervisor:
         self._files_checked_at = 0.0
         self._known_steps: set[int] = set()
         self.worker_prov: dict[str, Any] = {}
+        self.engine_env: dict[str, str] = {}
         self.redact = Redactor(settings, self.run_dir)  # what clients see names no server path
 
     # ---------------------------------------------------------------- process control
@@ -260,6 +300,11 @@ class Supervisor:
         spec_path = self.run_dir / "job_spec.json"
         atomic_write_json(spec_path, spec.model_dump(mode="json"), indent=2)
         argv = build_command(self.settings, spec, spec_path, self.run_dir)
+        with session_scope(self.factory) as s:
+            tenant = job_owner_id(s, self.lease.job_id)
+        regen_cache = self.settings.home.resolve() / "cache" / f"owner-{tenant}" / "regenerate" if tenant is not None else None
+        self.engine_env = trainer_environment(spec, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                              regen_cache=regen_cache)
         self.worker_prov = self.redact.value(
             worker_provenance(argv=argv, attempt=self.lease.attempt, lease_owner=self.lease.owner))
         self.collector.batch.provenance = {"worker": self.worker_prov, "trainer": None}
@@ -349,6 +394,7 @@ class Supervisor:
         # ("0%| | 0/272"). Not TQDM_DISABLE: vLLM's serve check divides by a disabled bar's elapsed time.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PEAGLE_JOB_ID": self.lease.job_id,
                "PEAGLE_ATTEMPT": str(self.lease.attempt), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        env.update(self.engine_env)
         try:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

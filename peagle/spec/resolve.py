@@ -17,18 +17,21 @@ user wrote it. The pipeline saves the result as `resolved_spec.json` with the ru
 | draft.aux_layer_ids            | [2, N//2, N-3] for an N-layer target ([1, N//2, N-1] if N<7)|
 | draft.mask_token_id            | what `peagle.data.vocab` picked                             |
 | draft.draft_vocab_size, optim.max_steps | what the data gave                                 |
-| resources.target_engine        | vllm when vLLM is installed (`vllm_available`), else hf     |
+| resources.target_engine        | vllm when vLLM is installed (`vllm_available`), the target is one it runs (`NOT_FOR_VLLM`) and eval.engine is not reference, else hf |
 | data.regenerate.engine         | resources.target_engine                                     |
 | data.regenerate.enabled        | true when data.regenerate.engine is vllm                    |
 | eval.engine                    | vllm when resources.target_engine is vllm, else reference   |
+| checkpoints.select_best_by     | acceptance_length when eval.prompt_sets is not empty, else tau_sim |
 | resources.capture_gpus / train_gpus | vllm on GPUs: the engine gets tp x dp GPUs when that leaves the trainer one, else both share them all |
-| resources.vllm.max_model_len   | data.max_length + data.regenerate.max_new_tokens            |
+| resources.vllm.max_model_len   | data.max_length + data.regenerate.max_new_tokens (or + 1)   |
 | resources.vllm.gpu_memory_utilization | 0.9 on GPUs the engine has alone, 0.45 on shared ones |
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from peagle.spec.targets import NOT_FOR_VLLM
 
 if TYPE_CHECKING:
     from peagle.spec.schema import TrainSpec
@@ -75,7 +78,9 @@ def resolve_spec(
     out = spec.model_copy(deep=True)
     r = out.resources
     if r.target_engine == "auto" and vllm_available is not None:
-        r.target_engine = "vllm" if vllm_available else "hf"
+        # the reference decoder runs the target in the trainer process: asking for it keeps the target there
+        runs_there = out.target.model not in NOT_FOR_VLLM
+        r.target_engine = "vllm" if vllm_available and runs_there and out.eval.engine != "reference" else "hf"
     regen = out.data.regenerate
     if regen.engine == "auto" and r.target_engine != "auto":
         regen.engine = r.target_engine
@@ -94,7 +99,8 @@ def resolve_spec(
         if r.gpus > 0 and r.train_gpus is None:
             r.train_gpus = r.gpus - (r.capture_gpus or 0)
         if v.max_model_len is None:
-            v.max_model_len = out.data.max_length + (regen.max_new_tokens if regen.enabled is True else 0)
+            # + 1: capture requests generate one token after the longest document
+            v.max_model_len = out.data.max_length + (regen.max_new_tokens if regen.enabled is True else 1)
         if v.gpu_memory_utilization is None and r.gpus > 0:
             v.gpu_memory_utilization = 0.9 if r.capture_gpus else 0.45
     if r.device == "auto":
@@ -106,6 +112,8 @@ def resolve_spec(
         r.attention = "flex" if on_cuda else "sdpa"
     if out.target.dtype == "auto":
         out.target.dtype = "bfloat16" if on_cuda else "float32"
+    if out.checkpoints.select_best_by == "auto":
+        out.checkpoints.select_best_by = "acceptance_length" if out.eval.prompt_sets else "tau_sim"
     if out.eval.num_speculative_tokens is None:
         out.eval.num_speculative_tokens = out.peagle.num_depths
     if target_num_layers is not None:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from peagle.errors import SpecInvalidError
+from peagle.spec.targets import NOT_FOR_VLLM
 from peagle.spec.text import unstorable_problem
 
 SPEC_VERSION = 1
@@ -254,9 +255,11 @@ class CheckpointSpec(_Strict):
 
     every_steps: int = Field(default=500, ge=1, le=10_000_000, description="Save every this many steps.")
     keep_last: int = Field(default=2, ge=1, le=1000, description="Keep the newest N checkpoints (plus best).")
-    select_best_by: Literal["tau_sim", "acceptance_length", "loss"] = Field(
-        default="tau_sim",
-        description="Metric that picks the best checkpoint (acceptance, not loss, is what users get).",
+    select_best_by: Literal["auto", "tau_sim", "acceptance_length", "loss"] = Field(
+        default="auto",
+        description="Metric that picks the best checkpoint (acceptance, not loss, is what users get); auto = "
+        "acceptance_length (measured AL, every prompt of the first eval prompt set at each checkpoint) when "
+        "eval.prompt_sets is not empty, else tau_sim.",
     )
 
 
@@ -295,7 +298,7 @@ class EvalSpec(_Strict):
     al_num_prompts: int = Field(
         default=4, ge=1, le=100_000,
         description="Prompts of the first prompt set for the AL measured during training (periodic and at "
-        "checkpoints); the whole set when checkpoints.select_best_by is acceptance_length.",
+        "checkpoints); the whole set when checkpoints.select_best_by is (or resolves to) acceptance_length.",
     )
     engine: Literal["auto", "reference", "vllm"] = Field(
         default="auto",
@@ -303,6 +306,30 @@ class EvalSpec(_Strict):
         "a real vLLM; auto = vllm when the resolved target engine is vllm, else reference.",
     )
     serve_check: bool = Field(default=False, description="Load the export in vLLM (if installed) after training.")
+    speedup: bool = Field(
+        default=True,
+        description="After training, when vLLM evaluates (eval.engine vllm, or the serve check): time the "
+        "verifier alone against the verifier with the draft in vLLM, interleaved, at batch 1, at a batch of "
+        "all `speedup_num_prompts` prompts and at `speedup_batch_sizes`, for K = 1..eval.num_speculative_tokens "
+        "(`speedup_sweep`); stored on the best checkpoint with the hardware, and the best K per batch size "
+        "recommended. Costs one vLLM engine start per K plus the timed generation.",
+    )
+    speedup_num_prompts: int = Field(
+        default=8, ge=1, le=1024,
+        description="Prompts of the first prompt set the speedup is timed on (also the 'batch of all prompts').",
+    )
+    speedup_batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=list, max_length=8,
+        description="Batch sizes to time besides 1 and speedup_num_prompts (the prompts are cycled to fill them).",
+    )
+    speedup_rounds: int = Field(
+        default=3, ge=1, le=50, description="Interleaved rounds per (K, batch size); the speedup is their median."
+    )
+    speedup_sweep: bool = Field(
+        default=True,
+        description="Time every K from 1 to eval.num_speculative_tokens (one engine start each) and recommend the "
+        "best per batch size; false = the trained K only.",
+    )
 
 
 #: Flags a job may pass to `vllm serve` in `resources.vllm.extra_args` (each with the kind of value it takes:
@@ -339,7 +366,7 @@ class VllmSpec(_Strict):
     )
     max_model_len: int | None = Field(
         default=None, ge=16, le=1_048_576,
-        description="`--max-model-len`; None = data.max_length + data.regenerate.max_new_tokens.",
+        description="`--max-model-len`; None = data.max_length + data.regenerate.max_new_tokens (+ 1 without regeneration).",
     )
     extra_args: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
         default_factory=list, max_length=32,
@@ -356,7 +383,8 @@ class ResourceSpec(_Strict):
         default="auto",
         description="Where the target runs for regeneration and feature capture: vllm (an inference engine "
         "beside a draft-only trainer: any target size, its own tensor/data parallelism) or hf (transformers, "
-        "in the trainer process); auto = vllm where vLLM is installed (its venv or this environment), else hf.",
+        "in the trainer process); auto = vllm where vLLM is installed (its venv or this environment) and "
+        "eval.engine is not reference, else hf.",
     )
     vllm: VllmSpec = Field(default_factory=VllmSpec, description="The vLLM engine (target_engine vllm).")
     capture_gpus: int | None = Field(
@@ -561,6 +589,11 @@ def _engine_problems(spec: TrainSpec) -> list[SpecProblem]:
                 f"{flag} takes {'an integer' if kind == 'int' else 'a number' if kind == 'float' else 'a word'}, "
                 f"got {value!r}")
         i += 1 if inline else 2
+    if r.target_engine == "vllm" and spec.target.model in NOT_FOR_VLLM:
+        bad(("resources", "target_engine"), f"'vllm' cannot run {spec.target.model}: {NOT_FOR_VLLM[spec.target.model]}")
+    if r.target_engine == "vllm" and spec.eval.engine == "reference":
+        bad(("eval", "engine"), "'reference' runs the target in the trainer process, which resources.target_engine "
+                                "'vllm' never does: use 'vllm' or 'auto' (AL measured by vLLM itself)")
     if r.target_engine == "hf" and spec.data.regenerate.engine == "vllm":
         bad(("data", "regenerate", "engine"), "'vllm' needs resources.target_engine 'vllm' or 'auto'")
     if r.gpus == 0:

@@ -18,12 +18,19 @@ resolved at run time by `peagle.builtin.local_verifier`.
 
 from __future__ import annotations
 
-__all__ = ["BUILTIN_TARGET_HUB_IDS", "builtin_of_hub_id", "portable_verifier"]
+__all__ = ["BUILTIN_TARGET_HUB_IDS", "NOT_FOR_VLLM", "builtin_of_hub_id", "portable_verifier"]
 
 #: Builtin target -> the hub id of the model it is (None: no hub original, e.g. random test weights).
 BUILTIN_TARGET_HUB_IDS: dict[str, str | None] = {
     "builtin:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "builtin:tiny-llama": None,
+}
+
+
+#: Builtin targets vLLM cannot run, with the reason: `resources.target_engine: auto` keeps them in
+#: transformers, and `vllm` is refused for them.
+NOT_FOR_VLLM: dict[str, str] = {
+    "builtin:tiny-llama": "its head_dim 16 is refused by vLLM's CPU attention (it needs 32 or more)",
 }
 
 

@@ -298,6 +298,11 @@ def expire_lease(session: Session, lease: Lease, *, now: datetime | None = None)
     return bool(getattr(res, "rowcount", 0))
 
 
+def job_owner_id(session: Session, job_id: str) -> int | None:
+    """The id of the owner (tenant) of a job; None when the job is gone."""
+    return session.scalar(sa.select(Job.owner_id).where(Job.id == job_id))
+
+
 def job_status(session: Session, job_id: str) -> str | None:
     """The job's current status (None: no such job)."""
     return session.execute(sa.select(Job.status).where(Job.id == job_id)).scalar()

@@ -1,0 +1,234 @@
+"""How the target runs for one job: in the trainer process (transformers) or in a vLLM engine beside it.
+
+    target = load_target_runtime(resolved, device)          # validating
+    prepared = prepare_data(..., model=target.model, regen_engine=target.engine_config(resolved))
+    with feature_sources(target, resolved, prepared, run, sink=sink) as (train_source, eval_source):
+        Trainer(...).train()
+
+`resources.target_engine` (resolved):
+
+* ``hf``: the whole target is loaded here (`target.model`), features are captured in the loop (`online`)
+  or cached to shards first (`offline`), as before;
+* ``vllm``: the target is never loaded here. `target.parts` holds the embeddings, lm_head, final norm and
+  the layers `draft.layer_init` copies (`peagle.target.parts`); a capture-mode `VllmServer` computes the
+  features: `offline` writes every shard and stops the engine before training, `online` keeps it running
+  ahead of the trainer (`peagle.target.streaming`) and stops it when training ends, however it ends.
+
+Placement (`engine_devices`): the engine's GPUs come from `PEAGLE_ENGINE_DEVICES` (the supervisor splits the
+job's GPUs, `peagle.engine.placement`), else from this process's visible GPUs by the same rule; on a CPU
+job both share the cores. Under torchrun only rank 0 runs engines; the other ranks wait for its outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.errors import EngineError, TargetLoadError
+
+__all__ = ["ENGINE_DONE", "TargetRuntime", "feature_sources", "load_target_runtime"]
+
+#: Marker rank 0 writes into RUN/data once the engine phases (regeneration, capture) are done.
+ENGINE_DONE = ".engine-done"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetRuntime:
+    """The loaded side of the target (module docstring)."""
+
+    engine: str  # "hf" | "vllm"
+    path: Path | str  # what transformers / vLLM load (a local folder or a hub id)
+    tokenizer: Any
+    model: Any | None  # the whole target (hf), else None
+    parts: Any  # an object with the target's embeddings, lm_head, final norm (the model itself for hf)
+    config: Any
+    dtype: torch.dtype
+    engine_devices: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.parts.get_input_embeddings().weight.shape[0])
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.config, "architectures", None) or [type(self.parts).__name__])
+
+    def engine_config(self, resolved: Any, capture: Any = None) -> Any:
+        """The `EngineConfig` of this target's vLLM engine (None when the target runs in transformers)."""
+        if self.engine != "vllm":
+            return None
+        from peagle.engine.server import engine_config_from_spec
+
+        return engine_config_from_spec(resolved, self.path, capture=capture, devices=self.engine_devices)
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _engine_devices(resolved: Any) -> str | None:
+    """The engine's CUDA_VISIBLE_DEVICES (None on a CPU job)."""
+    r = resolved.resources
+    if r.device != "cuda" or r.gpus == 0:
+        return None
+    env = os.environ.get("PEAGLE_ENGINE_DEVICES")
+    if env:
+        return env
+    from peagle.engine.placement import split_devices
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    engine, _trainer = split_devices(names[: r.gpus], r.capture_gpus or 0, r.train_gpus or r.gpus)
+    return ",".join(engine)
+
+
+def load_target_runtime(resolved: Any, device: torch.device) -> TargetRuntime:
+    """Load the target as `resources.target_engine` says (the spec must be resolved).
+
+    Raises:
+        TargetLoadError: unknown builtin, missing folder, unreadable config or weights.
+        EngineError: the engine is vllm but vLLM is not installed here.
+    """
+    from transformers import AutoTokenizer
+
+    from peagle.builtin import resolve_target
+
+    engine = resolved.resources.target_engine
+    dtype = _DTYPES[resolved.target.dtype]
+    try:
+        path = resolve_target(resolved.target.model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise TargetLoadError(f"target.model: {exc}") from None
+    if engine == "hf":
+        from peagle.pipeline import load_target
+
+        model, tok, path = load_target(resolved, device)
+        return TargetRuntime("hf", path, tok, model, model, model.config, dtype)
+    from peagle.engine.locate import vllm_python
+
+    if vllm_python() is None:
+        raise EngineError(
+            "resources.target_engine is 'vllm' but vLLM is not installed here: run `make vllm-env` (builds "
+            ".vllm-venv, about 2 minutes) or set PEAGLE_VLLM_PYTHON, or use target_engine 'hf'"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), revision=resolved.target.revision)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetLoadError(f"target.model {resolved.target.model!r} cannot be loaded: {first}") from None
+    from peagle.target.parts import load_target_parts
+
+    layers = range(-resolved.draft.num_layers, 0) if resolved.draft.layer_init == "target" else ()
+    parts = load_target_parts(path, dtype=dtype, revision=resolved.target.revision, layers=list(layers))
+    return TargetRuntime("vllm", path, tok, None, parts, parts.config, dtype, _engine_devices(resolved))
+
+
+def wait_for_rank0(data_dir: Path, *, timeout_s: float = 7 * 24 * 3600.0) -> None:
+    """Ranks > 0 of a vllm job: wait until rank 0 finished the engine phases (regeneration, capture)."""
+    marker = data_dir / ENGINE_DONE
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            raise EngineError("rank 0 did not finish the engine phases in time")
+        time.sleep(2.0)
+
+
+@contextlib.contextmanager
+def feature_sources(
+    target: TargetRuntime, resolved: Any, prepared: Any, run: Path, *, vocab: Any, aux_ids: list[int], sink: Any
+) -> Iterator[tuple[Any, Any]]:
+    """(train source, eval source or None) for the trainer; the engine (if any) runs for as long as the
+    sources need it and is stopped when the block exits (normally, by an error or by SIGTERM)."""
+    from peagle.target.capture import TargetCapture
+    from peagle.target.sources import (
+        OfflineFeatureSource,
+        OnlineFeatureSource,
+        build_batch_source,
+        write_feature_shards,
+    )
+    from peagle.train.optim import total_steps
+
+    spec = resolved
+    mbs, seed = spec.optim.micro_batch_size, spec.optim.seed
+    selected = None if vocab.is_full else vocab.selected
+    if target.engine == "hf":
+        capture = TargetCapture(target.model, aux_ids, selected)
+        source = build_batch_source(spec, capture, prepared.train, run, name="train", sink=sink)
+        eval_source: Any = None
+        if len(prepared.eval) and spec.resources.capture == "offline":
+            eval_source = build_batch_source(spec, capture, prepared.eval, run, name="eval", sink=sink)
+        elif len(prepared.eval):
+            eval_source = OnlineFeatureSource(capture, prepared.eval, mbs, seed)
+        yield source, eval_source
+        return
+
+    from peagle.engine.server import CaptureOptions, VllmServer
+    from peagle.target.streaming import StreamingFeatureSource
+    from peagle.target.vllm_capture import VllmCapture
+
+    feats = run / "data" / "features"
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    streaming = spec.resources.capture == "online" and not distributed
+    if spec.resources.capture == "online" and distributed:
+        sink.event("warning", message="online capture through vLLM runs with one trainer process; "
+                                      "this torchrun job captures offline first")
+    names = ["train"] + (["eval"] if len(prepared.eval) else [])
+    done = all(_complete(feats / n) for n in names) if not streaming else False
+    if not _is_main():
+        wait_for_rank0(run / "data")
+        done = True
+    opts = CaptureOptions(layer_ids=(*aux_ids, target.num_layers), storage_dir=feats / ".engine")
+    server = VllmServer(target.engine_config(resolved, capture=opts), log_path=run / "logs" / "engine-capture.log",
+                        name="capture engine")
+    with contextlib.ExitStack() as stack:
+        if not done:
+            sink.log("info", "starting the vLLM capture engine (the target runs there; the trainer holds the draft)")
+            stack.enter_context(server)
+            sink.log("info", f"capture engine ready in {server.started_s or 0:.0f} s")
+            capture = VllmCapture(server, target.parts, aux_ids, selected)
+            aux_dtype = target.dtype  # the engine computed them in it: storing them so loses nothing
+            t0 = time.monotonic()
+            for n in names if not streaming else names[1:]:
+                rows = prepared.train if n == "train" else prepared.eval
+                write_feature_shards(capture, rows, feats / n, aux_dtype=aux_dtype, sink=sink)
+            if capture.tokens_captured:
+                dt = max(time.monotonic() - t0, 1e-9)
+                sink.log("info", f"captured {capture.documents_captured} documents, {capture.tokens_captured} tokens "
+                                 f"through vLLM ({capture.tokens_captured / dt:.0f} tokens/s)")
+        if _is_main():
+            (run / "data" / ENGINE_DONE).write_text("ok\n")
+        eval_source = OfflineFeatureSource(feats / "eval", mbs, seed) if len(prepared.eval) else None
+        if not streaming:
+            stack.close()  # the engine is not needed any more: its memory goes back to the trainer
+            yield OfflineFeatureSource(feats / "train", mbs, seed), eval_source
+            return
+        steps = total_steps(spec.optim, -(-len(prepared.train) // mbs))
+        stream = StreamingFeatureSource(
+            capture, prepared.train, mbs, seed, out_dir=feats / "stream",
+            total_micro_batches=min(steps * spec.optim.grad_accumulation,
+                                    spec.optim.epochs * -(-len(prepared.train) // mbs)),
+            disk_budget_bytes=spec.resources.feature_disk_gb * 1e9,
+        )  # fmt: skip
+        stack.callback(stream.close)
+        yield stream, eval_source
+
+
+def _complete(out: Path) -> bool:
+    import json
+
+    try:
+        return bool(json.loads((out / "manifest.json").read_text()).get("complete"))
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,139 @@
+"""The engine never outlives what started it, and its failures say what and why (slow: real vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peagle.engine.server import EngineConfig, VllmServer
+from peagle.errors import EngineError
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Live processes whose command line contains `marker` (zombies excluded)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z" and int(entry.name) != os.getpid():
+            out.append(int(entry.name))
+    return out
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+STARTER = """
+import json, sys, time
+from pathlib import Path
+from peagle.engine.server import EngineConfig, VllmServer
+cfg = EngineConfig(model=sys.argv[1], dtype="bfloat16", max_model_len=256)
+server = VllmServer(cfg, log_path=Path(sys.argv[2]) / "engine.log").start()
+Path(sys.argv[2], "ready.json").write_text(json.dumps({"guard": server.proc.pid, "port": server.port}))
+time.sleep(3600)
+"""
+
+
+def test_sigkill_of_the_starting_process_takes_the_whole_engine_down(smollm2_path, tmp_path):
+    """The trainer (here: a process that started an engine) dies by SIGKILL, as after a cancel past its grace
+    or when the supervisor is killed: the guard sees it and kills every engine process."""
+    from peagle.engine.locate import vllm_python
+
+    if vllm_python() is None:
+        assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
+        pytest.skip("vLLM venv missing: run `make vllm-env`")
+    marker = str(smollm2_path)
+    before = set(processes_mentioning(marker))
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, marker, str(tmp_path)], cwd=REPO,
+                               start_new_session=True)
+    try:
+        wait_until(lambda: (tmp_path / "ready.json").exists() or starter.poll() is not None, 300, "the engine")
+        assert starter.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+        info = json.loads((tmp_path / "ready.json").read_text())
+        engine = set(processes_mentioning(marker)) - before - {starter.pid}
+        assert len(engine) >= 2  # the guard and vLLM's API server (its engine core runs beside them)
+        assert info["guard"] in engine
+        group = os.getpgid(next(p for p in engine if p != info["guard"]))
+        assert group != os.getpgid(starter.pid)  # not in the starter's group: a killpg of it misses them
+        starter.send_signal(signal.SIGKILL)
+        starter.wait()
+        wait_until(lambda: not (set(processes_mentioning(marker)) - before - {starter.pid}), 60, "the engine to go")
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)  # nothing of the engine's process group is left
+    finally:
+        if starter.poll() is None:
+            os.killpg(starter.pid, signal.SIGKILL)
+
+
+def test_an_engine_that_cannot_load_the_target_fails_with_the_reason(tmp_path):
+    from peagle.engine.locate import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run `make vllm-env`")
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    server = VllmServer(EngineConfig(model=str(bad), max_model_len=128), log_path=tmp_path / "engine.log",
+                        name="regeneration engine", startup_timeout_s=300)
+    with pytest.raises(EngineError) as err:
+        server.start()
+    text = str(err.value)
+    assert text.startswith("regeneration engine exited with code ")
+    assert "vllm.entrypoints.openai.api_server --model " + str(bad) in text  # the command
+    assert "last lines of its log (engine.log): " in text and "no_such_architecture" in text  # the reason
+    assert not processes_mentioning(str(bad))
+    assert err.value.code == "engine_failed"
+
+
+def test_no_vllm_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("peagle.engine.server.vllm_python", lambda: None)
+    with pytest.raises(EngineError, match=r"vLLM is not installed: run `make vllm-env`"):
+        VllmServer(EngineConfig(model="x"), log_path=tmp_path / "e.log").start()
+
+
+def test_guard_takes_the_group_down_when_its_parent_dies(tmp_path):
+    """The guard alone (no vLLM): a grandchild that ignores SIGTERM is SIGKILLed after the grace."""
+    guard = REPO / "peagle" / "engine" / "guard.py"
+    marker = f"peagle-guard-test-{os.getpid()}"
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', '{marker}'])\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         f"subprocess.Popen([sys.executable, {str(guard)!r}, '--grace', '1', '--', sys.executable, '-c', "
+         f"{script!r}, {marker!r}], start_new_session=True)\n"
+         "time.sleep(600)\n"],
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: len(processes_mentioning(marker)) >= 3, 30, "guard, command and grandchild")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        wait_until(lambda: not processes_mentioning(marker), 30, "the group to be killed")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
