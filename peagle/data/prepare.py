@@ -1,7 +1,8 @@
 """One entry for the pipeline: spec -> packed train/eval rows, draft vocab, mask token, report.
 
-Steps: stream every source (`peagle.data.formats`), hold out `data.eval_samples` conversations (seeded),
-optionally regenerate assistant turns with the target, template + mask on all cores
+Steps: stream every source (`peagle.data.formats`), optionally regenerate assistant turns with the target
+(`peagle.data.regenerate`: vLLM or transformers, cached by content in a folder shared by jobs; its drops go
+into the funnel), hold out `data.eval_samples` conversations (seeded), template + mask on all cores
 (`peagle.data.template`), drop rows with fewer than `data.min_assistant_tokens` supervised tokens
 (reported), count assistant tokens of the TRAIN rows for the draft vocab (docs/decisions.md decision 7), choose the mask
 token (docs/decisions.md decision 8, proven unused in train+eval rows), pack (seeded). Results go to ``RUN/data/``
@@ -14,7 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,8 @@ import torch
 from peagle.builtin import resolve_data_path
 from peagle.data.formats import IngestReport, Row, iter_rows
 from peagle.data.packing import PackedRows, pack_documents
+from peagle.data.regenerate import RegenSettings, regenerate_conversations
+from peagle.data.regenerate_cache import group_key, target_identity
 from peagle.data.template import tokenize_many
 from peagle.data.vocab import (
     DraftVocab,
@@ -38,6 +44,7 @@ from peagle.spec import TrainSpec
 from peagle.spec.funnel import (
     DROPPED,
     DROPPED_BY_REASON,
+    REASONS,
     SOURCE_SKIP,
     TOKEN_OUT_OF_RANGE,
     TOO_FEW_ASSISTANT_TOKENS,
@@ -45,9 +52,10 @@ from peagle.spec.funnel import (
     funnel,
 )
 
-__all__ = ["PreparedData", "data_cache_key", "data_funnel", "prepare_data"]
+__all__ = ["PreparedData", "RegenPlan", "data_cache_key", "data_funnel", "prepare_data", "regeneration_plan",
+           "resolve_regeneration"]
 
-CACHE_VERSION = 2  # 2: the data report carries the funnel (peagle.spec.funnel)
+CACHE_VERSION = 3  # 2: the data report carries the funnel (peagle.spec.funnel); 3: content-keyed regeneration
 
 
 @dataclass
@@ -66,16 +74,82 @@ class PreparedData:
         return self.vocab.draft_vocab_size
 
 
-def data_cache_key(spec: TrainSpec) -> str:
-    """Hash of everything that determines the prepared data."""
+def data_cache_key(spec: TrainSpec, regen: str | None = None) -> str:
+    """Hash of everything that determines the prepared data.
+
+    Args:
+        spec: the job spec.
+        regen: the regeneration's cache group (`RegenPlan.group`: target identity with its weight files'
+            fingerprint, engine, dtype, settings) when regeneration is on; None when it is off.
+    """
     blob = {
         "v": CACHE_VERSION,
         "target": spec.target.model_dump(mode="json"),
         "data": spec.data.model_dump(mode="json"),
         "vocab": [spec.draft.draft_vocab_size, spec.draft.mask_token_id],
         "pack": [spec.optim.pack_length, spec.optim.seed],
+        "regen": regen,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RegenPlan:
+    """How this job regenerates: settings, target identity, cache group, and what opens the engine."""
+
+    settings: RegenSettings
+    identity: dict[str, Any]
+    group: str
+    open_backend: Callable[[], AbstractContextManager[Any]]
+
+
+def resolve_regeneration(spec: TrainSpec, *, vllm: bool | None = None) -> tuple[bool, str]:
+    """(enabled, engine) of `data.regenerate` with every `auto` resolved (`TrainSpec.resolve`; whether vLLM is
+    there is asked only when needed). The string "auto" never counts as enabled."""
+    regen = spec.data.regenerate
+    enabled, engine = regen.enabled, regen.engine
+    if enabled == "auto" or engine == "auto":
+        if vllm is None:
+            from peagle.engine.locate import vllm_available
+
+            vllm = vllm_available()
+        resolved = spec.resolve(cuda_available=False, vllm_available=vllm).data.regenerate
+        enabled, engine = resolved.enabled, resolved.engine
+    return enabled is True, str(engine)
+
+
+def regeneration_plan(spec: TrainSpec, tokenizer: Any, run_dir: str | Path, *, model: Any = None,
+                      regen_engine: Any = None) -> RegenPlan | None:
+    """The job's `RegenPlan`, or None when regeneration is off.
+
+    Raises:
+        DataInvalidError: regeneration is on but its engine was not given (`model` for hf, `regen_engine`
+            for vllm).
+    """
+    from peagle.data.regenerate_engines import HfBackend, open_vllm_backend
+
+    enabled, engine = resolve_regeneration(spec, vllm=True if regen_engine is not None else None)
+    if not enabled:
+        return None
+    d, r = spec.data, spec.data.regenerate
+    open_backend: Callable[[], AbstractContextManager[Any]]
+    if engine == "vllm":
+        if regen_engine is None:
+            raise DataInvalidError("data.regenerate.engine resolved to vllm: pass regen_engine= (an EngineConfig)")
+        dtype, max_model_len = str(regen_engine.dtype), regen_engine.max_model_len or d.max_length + r.max_new_tokens
+        extra = tuple(regen_engine.extra_args)
+        log = Path(run_dir) / "logs" / "engine-regenerate.log"
+        open_backend = partial(open_vllm_backend, regen_engine, log)
+    else:
+        if model is None:
+            raise DataInvalidError("data.regenerate.enabled needs the target model (pass model=)")
+        dtype, max_model_len, extra = str(model.dtype).removeprefix("torch."), d.max_length + r.max_new_tokens, ()
+        open_backend = partial(nullcontext, HfBackend(model, tokenizer))
+    settings = RegenSettings(engine=engine, dtype=dtype, temperature=r.temperature, max_new_tokens=r.max_new_tokens,
+                             on_length=r.on_length, batch_size=r.batch_size, max_length=d.max_length,
+                             max_model_len=int(max_model_len), seed=spec.optim.seed, engine_args=extra)
+    identity = target_identity(spec.target.model, spec.target.revision)
+    return RegenPlan(settings, identity, group_key(identity, settings.key_fields()), open_backend)
 
 
 def _emit(sink: Any, kind: str, **fields: Any) -> None:
@@ -119,6 +193,7 @@ def prepare_data(
     dataset_root: Path | None = None,
     sink: Any = None,
     model: Any = None,
+    regen_engine: Any = None,
     workers: int | None = None,
 ) -> PreparedData:
     """Prepare the training data of `spec` into ``run_dir/data`` (cached by spec hash).
@@ -129,16 +204,24 @@ def prepare_data(
         run_dir: RUN directory; outputs go to ``RUN/data``.
         target_vocab_size: V = rows of the target embedding (may exceed len(tokenizer)).
         dataset_root: where ``dataset:<id>`` sources live.
-        sink: optional ProgressSink (phase events ``preparing_data``, ``building_vocab`` and logs).
-        model: the target, needed only when ``data.regenerate.enabled``.
+        sink: optional ProgressSink (phase events ``preparing_data``, ``regenerating``, ``building_vocab``,
+            regeneration progress, logs).
+        model: the in-process target (HF causal LM), needed when regeneration runs with transformers.
+        regen_engine: the vLLM engine (`peagle.engine.server.EngineConfig`, generation only) when regeneration
+            runs in vLLM: started only when some conversation is not in the regeneration cache, logging to
+            ``RUN/logs/engine-regenerate.log``, stopped when done.
         workers: processes for templating (default: all cores).
+
+    `data.regenerate.enabled` / `engine` may still be `auto` (`resolve_regeneration`).
 
     Raises:
         DataInvalidError: unreadable source, no usable conversation, mask token in the data.
+        EngineError: the regeneration engine failed (what it finished stays cached).
     """
     data_dir = Path(run_dir) / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    key = data_cache_key(spec)
+    plan = regeneration_plan(spec, tokenizer, run_dir, model=model, regen_engine=regen_engine)
+    key = data_cache_key(spec, regen=plan.group if plan is not None else None)
     cached = data_dir / "prepared.pt"
     if cached.exists() and (data_dir / "vocab.safetensors").exists():
         blob = torch.load(cached, weights_only=True)
@@ -161,23 +244,10 @@ def prepare_data(
         raise DataInvalidError("no usable conversation in data.sources: " + json.dumps(src_reports)[:2000])
     chat = [i for i, r in enumerate(rows) if r.messages is not None]
     convs = [m for m in (rows[i].messages for i in chat) if m is not None]
-    if d.regenerate.enabled and chat:
-        if model is None:
-            raise DataInvalidError("data.regenerate.enabled needs the target model (pass model=)")
-        from peagle.data.regenerate import regenerate_conversations
-
-        cache = data_dir / f"regen-{key[:16]}.jsonl"
-        _log(sink, f"regenerating {len(convs)} conversations with the target")
-        convs = regenerate_conversations(
-            model,
-            tokenizer,
-            convs,
-            d.regenerate,
-            cache,
-            max_length=d.max_length,
-            seed=spec.optim.seed,
-            sink=sink,
-        )
+    regen_dropped: dict[int, str] = {}
+    regen_report: dict[str, Any] | None = None
+    if plan is not None and chat:
+        regen_dropped, regen_report, chat, convs = _regenerate(plan, tokenizer, chat, convs, sink)
     encoded = tokenize_many(tokenizer, convs, max_length=d.max_length, think=d.think, workers=workers)
     docs: dict[int, tuple[list[int], list[int]]] = {}
     for i, enc in zip(chat, encoded, strict=True):
@@ -195,9 +265,11 @@ def prepare_data(
             docs[i] = (r.input_ids[: d.max_length], r.loss_mask[: d.max_length])
     valid = []
     for i in range(len(rows)):
-        ids, mask = docs[i]
         reason = None
-        if sum(mask) == 0 and i in cut:
+        ids, mask = docs.get(i, ([], []))
+        if i in regen_dropped:
+            reason = f"{regen_dropped[i]} (regeneration: {REASONS[regen_dropped[i]]})"
+        elif sum(mask) == 0 and i in cut:
             reason = f"{TOO_LONG} (cut at data.max_length={d.max_length} before any assistant token)"
         elif sum(mask) < d.min_assistant_tokens:
             reason = f"{TOO_FEW_ASSISTANT_TOKENS} (< {d.min_assistant_tokens} after templating/truncation)"
@@ -254,6 +326,8 @@ def prepare_data(
         "mask_token_id": mask_id,
         "mask_token_source": how,
     }
+    if regen_report is not None:
+        report["regeneration"] = regen_report
     report["funnel"] = data_funnel(report, src_reports, len(keep_eval))
     (data_dir / "report.json").write_text(json.dumps(report, indent=1))
     with atomic_path(cached) as tmp:
@@ -277,6 +351,25 @@ def prepare_data(
         f"Vd={vocab.draft_vocab_size}, mask token {mask_id} ({how})",
     )
     return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
+
+
+def _regenerate(plan: RegenPlan, tokenizer: Any, chat: list[int], convs: list[Any], sink: Any
+                ) -> tuple[dict[int, str], dict[str, Any], list[int], list[Any]]:
+    """Run the regeneration: (row index -> drop reason, its report, kept row indices, their conversations)."""
+    s = plan.settings
+    _emit(sink, "phase", phase="regenerating",
+          message=f"regenerating the answers of {len(convs)} conversations with the target ({s.engine})")
+    res = regenerate_conversations(convs, tokenizer, s, identity=plan.identity, open_backend=plan.open_backend,
+                                   sink=sink)
+    rep = res.report
+    why = ", ".join(f"{n} {k}" for k, n in rep["dropped_by_reason"].items()) or "none"
+    rate = f" at {rep['tokens_per_s']:.0f} tokens/s" if rep["tokens_per_s"] else ""
+    _log(sink, f"regeneration ({s.engine}): {rep['generated']} generated ({rep['tokens']} tokens{rate}), "
+               f"{rep['cached']} from the cache; {rep['kept']} kept, dropped: {why}; "
+               f"{rep['answers_cut']} kept with a cut answer, {rep['stopped_at_max_length']} stopped at data.max_length")
+    dropped = {chat[i]: r for i, r in res.reasons.items()}
+    kept = [(chat[i], m) for i, m in enumerate(res.conversations) if m is not None]
+    return dropped, rep, [i for i, _m in kept], [m for _i, m in kept]
 
 
 def data_funnel(report: dict[str, Any], src_reports: list[dict[str, Any]], held_out: int) -> dict[str, Any]:

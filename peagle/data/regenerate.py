@@ -1,129 +1,369 @@
-"""Response regeneration: replace assistant turns with the target's own answers.
+"""Response regeneration: replace every assistant turn with the target's own answer (docs/engine.md
+"Regeneration", docs/algorithm.md 1.2). Engine-agnostic; the engines are in `peagle.data.regenerate_engines`.
 
-Drafts accept more when trained on what the target itself would say (docs/algorithm.md 1.2). For each
-conversation, assistant turn j is regenerated from the prompt ``conv[:j]`` (whose earlier assistant turns
-are already regenerated), greedy (temperature 0) or sampled; user/system turns are kept. Conversations are
-processed in batches of `RegenerateSpec.batch_size` (left-padded `generate`), and every finished
-conversation is appended to a JSONL cache file named by the spec hash, so an interrupted run resumes and a
-second run with the same spec reuses the answers.
+    result = regenerate_conversations(convs, tokenizer, settings, identity=target_identity(...),
+                                      open_backend=lambda: open_vllm_backend(engine_config, log_path))
+    result.conversations[i]   # regenerated messages, or None when dropped (result.reasons[i] says why)
+
+Rules, per conversation (`ConversationRun`):
+
+* turns are walked in order; user/system/tool turns are kept; assistant turn j is generated from the
+  already regenerated prefix ``conv[:j]``, rendered with the target's own chat template
+  (`peagle.data.template.render` + generation prompt, tokenised as training tokenises it) and sent as
+  token ids, with ``max_tokens = min(max_new_tokens, max_model_len - prompt_len)``;
+* a prompt that reaches `data.max_length` tokens ends the conversation there (``stop = "max_length"``):
+  training would cut the later turns away anyway. The conversation keeps the turns before it (counted as
+  `stopped_at_max_length`), or, when no answer came before, is dropped as `too_long_no_assistant_left`;
+* an answer cut by the limit (``finish_reason == "length"``): with `on_length: drop` the conversation stops
+  and is dropped (`regenerated_answer_cut`); with `keep` it goes on from the cut answer (counted);
+* a conversation with no non-empty assistant answer (none in the input, or only empty answers) is dropped
+  as `no_assistant_turn`;
+* sampling (temperature > 0) is seeded per turn from (optim.seed, the conversation's content key, the turn),
+  so an answer never depends on batch order or on which conversations share the engine.
+
+Cache (`peagle.data.regenerate_cache`): every finished conversation is appended (locked, fsynced) to the
+shared folder under its content key; cached ones are not generated again, and the engine is opened
+(`open_backend`) only when something is left to generate. Progress (done/total, tokens/s, ETA) goes to the
+sink as a `progress` event with ``phase: regenerating`` and a log line, at most every `PROGRESS_EVERY_S`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Sequence
-from pathlib import Path
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from peagle.data.regenerate_cache import RegenCache, conversation_key, group_key, regen_cache_dir
+from peagle.data.regenerate_engines import TurnRequest, TurnResult
 from peagle.data.template import render
+from peagle.spec.funnel import NO_ASSISTANT_TURN, REGEN_ANSWER_CUT, TOO_LONG
+from peagle.spec.metrics import (
+    REGEN_CONVERSATIONS,
+    REGEN_CONVERSATIONS_TOTAL,
+    REGEN_SECONDS_REMAINING,
+    REGEN_TOKENS,
+    REGEN_TOKENS_PER_S,
+)
 
-__all__ = ["regenerate_conversations"]
+__all__ = [
+    "PROGRESS_EVERY_S",
+    "ConversationRun",
+    "RegenResult",
+    "RegenSettings",
+    "outcome",
+    "regenerate_conversations",
+]
+
+#: Least seconds between two progress records (the first and the last always go out).
+PROGRESS_EVERY_S = 5.0
+Messages = list[dict[str, str]]
 
 
-def _load_done(path: Path) -> dict[int, list[dict[str, str]]]:
-    done: dict[int, list[dict[str, str]]] = {}
-    if not path.exists():
-        return done
-    with path.open("r", encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a torn last line from an interrupted run
-                continue
-            done[int(rec["index"])] = rec["messages"]
-    return done
+@dataclass(frozen=True)
+class RegenSettings:
+    """Everything the driver needs besides the conversations (from `data.regenerate`, `data.max_length`,
+    `optim.seed` and the engine)."""
+
+    engine: str  # "hf" | "vllm"
+    dtype: str  # the target's dtype in that engine
+    temperature: float
+    max_new_tokens: int
+    on_length: str  # "drop" | "keep"
+    batch_size: int  # conversations in flight (vllm) / per generate() call (hf)
+    max_length: int  # data.max_length: a prompt this long ends the conversation
+    max_model_len: int  # the engine's context: prompt + answer
+    seed: int = 0
+    engine_args: tuple[str, ...] = ()  # vLLM's extra command-line arguments (a quantization changes answers)
+
+    def key_fields(self) -> dict[str, Any]:
+        """What changes an answer (the cache group). Not `on_length` (applied when reading, see
+        `outcome`) nor `batch_size`; the seed only when sampling (greedy answers do not depend on it)."""
+        out: dict[str, Any] = {"engine": self.engine, "dtype": self.dtype, "temperature": self.temperature,
+                               "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
+                               "max_model_len": self.max_model_len}
+        if self.engine_args:
+            out["engine_args"] = list(self.engine_args)
+        if self.temperature > 0:
+            out["seed"] = self.seed
+        return out
 
 
-@torch.no_grad()
-def _generate(
-    model: Any, tokenizer: Any, prompts: list[str], cfg: Any, max_prompt: int, gen: torch.Generator
-) -> list[str]:
-    side, trunc = tokenizer.padding_side, tokenizer.truncation_side
-    tokenizer.padding_side = tokenizer.truncation_side = "left"  # keep the end of long prompts
+def turn_seed(key: str, turn: int, seed: int) -> int:
+    """The sampling seed of answer `turn` of the conversation with content key `key` (31 bits)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}:{turn}".encode()).digest()[:4], "big") >> 1
+
+
+class ConversationRun:
+    """One conversation being regenerated: `next_request()` -> `accept(result)` until it returns None.
+
+    Args:
+        key: the conversation's content key (`conversation_key`).
+        messages: its normalised turns ``{"role", "content"}``.
+        settings: the regeneration settings.
+        encode: messages -> prompt ids [P] (render with the generation prompt, tokenise).
+    """
+
+    def __init__(self, key: str, messages: Messages, settings: RegenSettings,
+                 encode: Callable[[Messages], list[int]]) -> None:
+        self.key, self.source, self.s, self.encode = key, messages, settings, encode
+        self.out: Messages = []
+        self.pos = 0
+        self.finish: list[str] = []
+        self.stop: str | None = None
+        self.tokens = 0
+        self.pending: TurnRequest | None = None
+
+    def next_request(self) -> TurnRequest | None:
+        """The next answer to generate (also kept in `pending`), or None when the conversation is done."""
+        self.pending = None
+        if self.stop is not None:
+            return None
+        src = self.source
+        while self.pos < len(src):
+            if src[self.pos]["role"] != "assistant":
+                self.out.append(dict(src[self.pos]))
+            elif self.out:
+                break
+            self.pos += 1  # an assistant turn with nothing before it has no prompt: skipped
+        if self.pos >= len(src):
+            return None
+        ids = self.encode(self.out)
+        if len(ids) >= self.s.max_length:
+            self.stop = "max_length"
+            return None
+        limit = min(self.s.max_new_tokens, self.s.max_model_len - len(ids))
+        self.pending = TurnRequest(list(ids), max(limit, 1), self.s.temperature,
+                                   turn_seed(self.key, len(self.finish), self.s.seed))
+        return self.pending
+
+    def accept(self, result: TurnResult) -> None:
+        """Record the answer to `pending` and move past its assistant turn."""
+        self.out.append({"role": "assistant", "content": result.text})
+        self.pos += 1
+        self.finish.append(result.finish_reason)
+        self.tokens += result.num_tokens
+        if result.finish_reason == "length" and self.s.on_length == "drop":
+            self.stop = "length"  # dropped anyway: its later turns are not worth generating
+
+    def record(self) -> dict[str, Any]:
+        """The cache record (`peagle.data.regenerate_cache`)."""
+        return {"key": self.key, "messages": self.out, "finish": self.finish, "stop": self.stop,
+                "tokens": self.tokens}
+
+
+def outcome(record: dict[str, Any], on_length: str) -> tuple[Messages | None, str | None]:
+    """(messages, None) for a kept conversation, (None, funnel reason) for a dropped one."""
+    msgs = record["messages"]
+    if on_length == "drop" and "length" in record["finish"]:
+        return None, REGEN_ANSWER_CUT
+    if not any(m["role"] == "assistant" for m in msgs):
+        return None, TOO_LONG if record.get("stop") == "max_length" else NO_ASSISTANT_TURN
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        return None, NO_ASSISTANT_TURN
+    return msgs, None
+
+
+def _usable(on_length: str) -> Callable[[dict[str, Any]], bool]:
+    # a record that stopped at a cut answer (made under `drop`) lacks the later turns `keep` needs
+    return lambda rec: not (on_length == "keep" and rec.get("stop") == "length")
+
+
+@dataclass
+class RegenResult:
+    """What `regenerate_conversations` returns: per input conversation its messages or None, the drop
+    reasons by input index, and a report (counts, tokens, seconds)."""
+
+    conversations: list[Messages | None]
+    reasons: dict[int, str]
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class _Progress:
+    """Rate-limited progress records: done/total conversations, generated tokens/s, ETA."""
+
+    def __init__(self, sink: Any, total: int, done: int, every_s: float, clock: Callable[[], float]) -> None:
+        self.sink, self.total, self.done, self.every_s, self.clock = sink, total, done, every_s, clock
+        self.generated = 0
+        self.tokens = 0
+        self.t0: float | None = None
+        self.last: float | None = None
+
+    def start(self) -> None:
+        self.t0 = self.clock()
+
+    def add(self, tokens: int) -> None:
+        self.done += 1
+        self.generated += 1
+        self.tokens += tokens
+        now = self.clock()
+        if self.last is None or self.done >= self.total or now - self.last >= self.every_s:
+            self.last = now
+            self.emit(now)
+
+    def rate(self, now: float) -> float:
+        return self.tokens / (now - self.t0) if self.t0 is not None and now > self.t0 else 0.0
+
+    def emit(self, now: float) -> None:
+        from peagle.train.heartbeat import format_duration
+
+        if self.sink is None:
+            return
+        elapsed = now - (self.t0 if self.t0 is not None else now)
+        eta = (self.total - self.done) * elapsed / self.generated if self.generated else None
+        tps = self.rate(now)
+        fields: dict[str, Any] = {REGEN_CONVERSATIONS: self.done, REGEN_CONVERSATIONS_TOTAL: self.total,
+                                  REGEN_TOKENS: self.tokens, REGEN_TOKENS_PER_S: round(tps, 1),
+                                  REGEN_SECONDS_REMAINING: None if eta is None else round(eta, 1)}
+        self.sink.event("progress", phase="regenerating", step=self.done, total_steps=self.total, **fields)
+        pct = 100 * self.done // max(self.total, 1)
+        line = f"regenerating {self.done}/{self.total} conversations ({pct}%) tokens/s {tps:.0f}"
+        if eta is not None and self.done < self.total:
+            line += f" eta {format_duration(eta)}"
+        self.sink.log("info", line)
+
+
+def _run_lockstep(runs: list[ConversationRun], backend: Any, width: int, done: Callable[[ConversationRun], None]
+                  ) -> None:
+    """Batches of `width` conversations, advanced together one turn per `backend.generate` call."""
+    for b in range(0, len(runs), width):
+        live = runs[b : b + width]
+        while live:
+            answers = backend.generate([r.pending for r in live])
+            for run, ans in zip(live, answers, strict=True):
+                run.accept(ans)
+                if run.next_request() is None:
+                    done(run)
+            live = [r for r in live if r.pending is not None]
+
+
+async def _run_concurrent(runs: list[ConversationRun], backend: Any, width: int,
+                          done: Callable[[ConversationRun], None]) -> None:
+    """`width` conversations in flight; each sends its next turn as soon as its last answer is back."""
+    queue = iter(runs)
+
+    async def worker() -> None:
+        for run in queue:  # one iterator shared by the workers (one thread: no two take the same run)
+            while run.pending is not None:
+                run.accept(await backend.agenerate(run.pending))
+                run.next_request()
+            done(run)
+
     try:
-        enc = tokenizer(
-            prompts,
-            add_special_tokens=False,
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=max_prompt,
-        )
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(width, len(runs))):
+                group.create_task(worker())
+    except BaseExceptionGroup as eg:  # the first failure, as itself (an EngineError names the engine log)
+        raise eg.exceptions[0] from None
     finally:
-        tokenizer.padding_side, tokenizer.truncation_side = side, trunc
-    dev = next(model.parameters()).device
-    enc = {k: v.to(dev) for k, v in enc.items()}
-    kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
-    if cfg.temperature > 0:
-        kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(**enc, **kwargs)  # [B, P + new]
-    new = out[:, enc["input_ids"].shape[1] :]
-    return [s.strip() for s in tokenizer.batch_decode(new, skip_special_tokens=True)]
+        await backend.aclose()
 
 
 def regenerate_conversations(
-    model: Any,
+    conversations: Sequence[Messages],
     tokenizer: Any,
-    conversations: Sequence[list[dict[str, str]]],
-    cfg: Any,
-    cache_file: str | Path,
+    settings: RegenSettings,
     *,
-    max_length: int,
-    seed: int = 0,
+    identity: dict[str, Any],
+    open_backend: Callable[[], contextlib.AbstractContextManager[Any]],
+    cache_dir: Any = None,
     sink: Any = None,
-) -> list[list[dict[str, str]]]:
-    """Conversations with every assistant turn replaced by the target's answer (same order).
+    clock: Callable[[], float] = time.monotonic,
+    progress_every_s: float = PROGRESS_EVERY_S,
+) -> RegenResult:
+    """Regenerate every assistant turn of `conversations` (module docstring), reusing the shared cache.
 
     Args:
-        model: the target (HF causal LM with ``generate``).
-        tokenizer: its tokenizer (chat template, pad token).
-        conversations: normalised conversations.
-        cfg: `peagle.spec.RegenerateSpec` (temperature, max_new_tokens, batch_size).
-        cache_file: JSONL cache; name it by `peagle.spec.spec_hash` of what produced it.
-        max_length: prompts are truncated to this many tokens (left side kept).
-        seed: sampling seed (temperature > 0).
+        conversations: normalised conversations (lists of ``{"role", "content"}``).
+        tokenizer: the target's tokenizer (its chat template renders every prompt).
+        settings: `RegenSettings`.
+        identity: `peagle.data.regenerate_cache.target_identity(...)` of the target.
+        open_backend: opens the engine (a context manager yielding a `VllmBackend` or `HfBackend`); called
+            only when some conversation is not cached.
+        cache_dir: the cache folder; None = `regen_cache_dir()`.
+        sink: optional ProgressSink (progress events and log lines).
+        clock: monotonic seconds (injected by tests).
+        progress_every_s: least seconds between two progress records.
+
+    Returns:
+        `RegenResult`: ``conversations[i]`` (None when dropped), ``reasons`` {i: funnel reason}, ``report``
+        (``conversations``, ``cached``, ``generated``, ``kept``, ``dropped_by_reason``, ``answers_cut``,
+        ``stopped_at_max_length``, ``tokens``, ``seconds``, ``tokens_per_s``, ``cache_file``).
+
+    Raises:
+        EngineError: the engine failed to start, died, or refused a request (what is done stays cached).
     """
-    cache = Path(cache_file)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    done = _load_done(cache)
-    gen = torch.Generator().manual_seed(seed)
-    todo = [i for i in range(len(conversations)) if i not in done]
-    was_training = model.training
-    model.eval()
-    try:
-        with cache.open("a", encoding="utf-8") as fh:
-            for b in range(0, len(todo), cfg.batch_size):
-                batch = todo[b : b + cfg.batch_size]
-                convs: dict[int, list[dict[str, str]]] = {i: [] for i in batch}
-                pending = {i: list(conversations[i]) for i in batch}
-                # advance all conversations of the batch turn by turn
-                while any(pending.values()):
-                    ask: list[int] = []
-                    for i in batch:
-                        while pending[i] and pending[i][0]["role"] != "assistant":
-                            convs[i].append(pending[i].pop(0))
-                        if pending[i]:
-                            ask.append(i)
-                    if not ask:
-                        break
-                    prompts = [render(tokenizer, convs[i], add_generation_prompt=True) for i in ask]
-                    answers = _generate(model, tokenizer, prompts, cfg, max_length, gen)
-                    for i, ans in zip(ask, answers, strict=True):
-                        pending[i].pop(0)
-                        convs[i].append({"role": "assistant", "content": ans})
-                for i in batch:
-                    fh.write(json.dumps({"index": i, "messages": convs[i]}) + "\n")
-                    done[i] = convs[i]
-                fh.flush()
-                os.fsync(fh.fileno())
-                if sink is not None:
-                    sink.log("info", f"regenerated {len(done)}/{len(conversations)} conversations")
-    finally:
-        model.train(was_training)
-    return [done[i] for i in range(len(conversations))]
+    group = group_key(identity, settings.key_fields())
+    keys = [conversation_key(group, c) for c in conversations]
+
+    def encode(msgs: Messages) -> list[int]:
+        text = render(tokenizer, msgs, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    t0 = clock()
+    with RegenCache(regen_cache_dir() if cache_dir is None else cache_dir, group) as cache:
+        records = cache.load(keys, usable=_usable(settings.on_length))
+        cached = sum(k in records for k in keys)
+        todo: list[ConversationRun] = []
+        seen: set[str] = set()
+        for key, conv in zip(keys, conversations, strict=True):
+            if key in records or key in seen:
+                continue  # a duplicate conversation is generated once
+            seen.add(key)
+            run = ConversationRun(key, conv, settings, encode)
+            if run.next_request() is None:  # nothing to ask the engine (no answer, or the prompt is too long)
+                records[key] = run.record()
+            else:
+                todo.append(run)
+        progress = _Progress(sink, len(conversations), len(conversations) - len(todo), progress_every_s, clock)
+
+        def done(run: ConversationRun) -> None:
+            rec = run.record()
+            cache.append(rec)
+            records[run.key] = rec
+            progress.add(run.tokens)
+
+        gen_s = 0.0
+        if todo:
+            with open_backend() as backend:
+                progress.start()
+                t_gen = clock()
+                width = max(1, settings.batch_size)
+                if getattr(backend, "concurrent", False):
+                    asyncio.run(_run_concurrent(todo, backend, width, done))
+                else:
+                    _run_lockstep(todo, backend, width, done)
+                gen_s = clock() - t_gen
+        path = str(cache.path)
+
+    out: list[Messages | None] = []
+    reasons: dict[int, str] = {}
+    for i, key in enumerate(keys):
+        msgs, why = outcome(records[key], settings.on_length)
+        out.append(msgs)
+        if why is not None:
+            reasons[i] = why
+    by_reason: dict[str, int] = {}
+    for why in reasons.values():
+        by_reason[why] = by_reason.get(why, 0) + 1
+    tokens = sum(r.tokens for r in todo)
+    report = {
+        "engine": settings.engine,
+        "conversations": len(conversations),
+        "cached": cached,
+        "generated": len(todo),
+        "kept": len(conversations) - len(reasons),
+        "dropped_by_reason": dict(sorted(by_reason.items())),
+        "answers_cut": sum(m is not None and "length" in records[k]["finish"] for m, k in zip(out, keys, strict=True)),
+        "stopped_at_max_length": sum(m is not None and records[k].get("stop") == "max_length"
+                                     for m, k in zip(out, keys, strict=True)),
+        "tokens": tokens,
+        "seconds": round(clock() - t0, 2),
+        "generation_seconds": round(gen_s, 2),
+        "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
+        "cache_file": path,
+    }
+    return RegenResult(out, reasons, report)

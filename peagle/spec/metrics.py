@@ -20,6 +20,11 @@ __all__ = [
     "FULL_ACC",
     "LOSS",
     "PER_POSITION",
+    "REGEN_CONVERSATIONS",
+    "REGEN_CONVERSATIONS_TOTAL",
+    "REGEN_SECONDS_REMAINING",
+    "REGEN_TOKENS",
+    "REGEN_TOKENS_PER_S",
     "TAU_SIM",
     "TOKENS_PER_S",
     "VLLM_ACCEPTANCE_LENGTH",
@@ -50,6 +55,17 @@ EVAL_PREFIX = "eval_"
 AL_POS_PREFIX = "al_pos_"
 #: The list of per-position acceptance rates in an eval record (spread into `al_pos_{k}` keys).
 PER_POSITION = "per_position"
+
+# Regeneration progress (peagle.data.regenerate): fields of a `progress` event with `phase: regenerating`,
+# which also carries `step` / `total_steps` = conversations done / total, so a generic progress bar works.
+#: Conversations done (cached ones included) and their total.
+REGEN_CONVERSATIONS = "regen_conversations"
+REGEN_CONVERSATIONS_TOTAL = "regen_conversations_total"
+#: Tokens the engine generated so far in this run, and per second since it started answering.
+REGEN_TOKENS = "regen_tokens"
+REGEN_TOKENS_PER_S = "regen_tokens_per_s"
+#: Estimated seconds left (from this run's conversation rate); None until one conversation is done.
+REGEN_SECONDS_REMAINING = "regen_seconds_remaining"
 
 
 def acc_key(depth: int) -> str:

@@ -5,5 +5,5 @@ from __future__ import annotations
 
 __all__ = ["PHASES"]
 
-PHASES = ("validating", "preparing_data", "building_vocab", "capturing", "training", "evaluating", "exporting",
-          "serve_check", "done")
+PHASES = ("validating", "preparing_data", "regenerating", "building_vocab", "capturing", "training", "evaluating",
+          "exporting", "serve_check", "done")

@@ -69,7 +69,7 @@ class ProgressLog:
         if kind == "phase":
             message = fields.get("message")
             self.sink.log("info", f"phase {fields.get('phase')}" + (f": {message}" if message else ""))
-        elif kind == "progress":
+        elif kind == "progress" and "phase" not in fields:  # training steps (regeneration logs its own lines)
             self._progress(fields)
 
     def log(self, level: str, message: str) -> None:

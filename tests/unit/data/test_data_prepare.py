@@ -1,4 +1,4 @@
-"""prepare_data end to end (real ShareGPT + SmolLM2 tokenizer) and response regeneration."""
+"""prepare_data end to end (real ShareGPT + SmolLM2 tokenizer); regeneration: test_regenerate*.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from peagle.data.prepare import prepare_data
-from peagle.data.regenerate import regenerate_conversations
 from peagle.data.vocab import load_vocab
 from peagle.errors import DataInvalidError
-from peagle.spec import RegenerateSpec, parse_spec
+from peagle.spec import parse_spec
 
 
 def _spec(**data):
@@ -77,48 +76,3 @@ def test_prepare_explicit_mask_token_in_data_fails(smollm2_tokenizer, tmp_path):
     spec.draft.mask_token_id = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     with pytest.raises(DataInvalidError, match="occurs in the training data"):
         prepare_data(spec, smollm2_tokenizer, tmp_path, target_vocab_size=49152, workers=1)
-
-
-class _Counting:
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def generate(self, **kw):
-        self.calls += 1
-        return self.model.generate(**kw)
-
-
-def test_regenerate_replaces_answers_and_resumes(tiny_model, smollm2_tokenizer, tmp_path):
-    convs = [
-        [
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "old"},
-            {"role": "user", "content": "More"},
-            {"role": "assistant", "content": "old2"},
-        ],
-        [
-            {"role": "system", "content": "S"},
-            {"role": "user", "content": "Q"},
-            {"role": "assistant", "content": "old"},
-        ],
-        [{"role": "user", "content": "Z"}, {"role": "assistant", "content": "old"}],
-    ]
-    cfg = RegenerateSpec(enabled=True, max_new_tokens=4, batch_size=2)
-    m = _Counting(tiny_model)
-    cache = tmp_path / "regen.jsonl"
-    out = regenerate_conversations(m, smollm2_tokenizer, convs, cfg, cache, max_length=64)
-    assert m.calls == 3  # batch 1: two rounds (turns), batch 2: one round
-    for new, old in zip(out, convs, strict=True):
-        assert [t["role"] for t in new] == [t["role"] for t in old]
-        assert [t["content"] for t in new if t["role"] != "assistant"] == [
-            t["content"] for t in old if t["role"] != "assistant"
-        ]
-    assert len(cache.read_text().splitlines()) == 3
-    # interrupted after the first batch: only the missing conversation is regenerated
-    cache.write_text("\n".join(cache.read_text().splitlines()[:2]) + "\n")
-    m2 = _Counting(tiny_model)
-    again = regenerate_conversations(m2, smollm2_tokenizer, convs, cfg, cache, max_length=64)
-    assert m2.calls == 1 and again == out  # greedy: identical
