@@ -340,7 +340,7 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Measure acceptance length (AL) and per-position acceptance of an export."""
-    from peagle.eval.serve_check import run_eval
+    from peagle.eval.export_eval import run_eval
 
     src = _export_dir_of(directory)
     report = run_eval(

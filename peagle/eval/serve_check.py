@@ -14,15 +14,17 @@ import json
 import os
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from peagle.engine.locate import vllm_python
 from peagle.errors import ResourceError
+from peagle.eval.acceptance import compute_acceptance
+from peagle.eval.speedup import SpeedupPlan, recommend, summarize_speedup
 
-__all__ = ["compare_reports", "loadable_export", "probe_script", "reference_dtypes", "run_eval", "run_vllm_probe",
-           "vllm_python"]
+__all__ = ["al_report", "compare_reports", "loadable_export", "measure_vllm", "probe_script", "run_probe",
+           "run_vllm_probe", "serving_report", "vllm_python"]
 
 def probe_script() -> Path:
     """Path of the script run inside the vLLM venv."""
@@ -63,38 +65,38 @@ def loadable_export(export_dir: str | Path, verifier: str | Path | None) -> Iter
         yield view
 
 
-def run_vllm_probe(
+def run_probe(
     export_dir: str | Path,
-    prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
+    al: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    max_new_tokens: int = 128,
+    speedup: SpeedupPlan | None = None,
+    speedup_prompts: Sequence[Sequence[int]] | None = None,
     num_speculative_tokens: int | None = None,
-    max_model_len: int = 1024,
+    max_model_len: int | None = None,
     timeout_s: float = 3600.0,
     python: str | Path | None = None,
     log_path: str | Path | None = None,
     verifier: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run the vLLM probe on an export directory and return its JSON result.
+    """Run `vllm_probe.py` on an export and return its raw JSON (module docstring of the probe).
 
     Args:
         export_dir: a speculators-format export.
-        prompts: token ids per prompt (already chat-templated), identical to the reference decoder's.
-        max_new_tokens: per prompt (greedy).
-        num_speculative_tokens: K override; None = `speculative_tokens` of the config.
-        max_model_len: vLLM's context limit (prompt + new tokens must fit).
+        al: prompt set name -> token ids per prompt (chat-templated, identical to the reference decoder's);
+            each set is generated in one batch and reported per request.
+        max_new_tokens: per prompt (greedy), for `al` and the speedup passes.
+        speedup: what to time (`peagle.eval.speedup.plan_speedup`), on `speedup_prompts`.
+        num_speculative_tokens: K of the draft engine; None = `speculative_tokens` of the config.
+        max_model_len: vLLM's context limit; None = the longest prompt + new tokens + K, at least 1024.
         timeout_s: wall-clock limit for the subprocess.
         python: the vLLM interpreter; None = `vllm_python()`.
         log_path: where vLLM's own output goes (default: a temp file, named in errors).
         verifier: the target vLLM loads (a local folder); None = the export's verifier mapped to this
             machine by `peagle.builtin.local_verifier` (a builtin's hub id -> its offline folder).
 
-    Returns:
-        The probe's result: `speculative_config`, `mask_hidden_loaded`, `parallel_drafting_ok`, `problems`,
-        `acceptance_length`, `per_position`, counters, `outputs` (token ids), timings.
-
     Raises:
-        ResourceError: no vLLM venv, or the probe crashed / timed out (message names the log).
+        ResourceError: no vLLM venv, or the probe crashed / timed out (message names the log's last lines).
     """
     py = Path(python) if python is not None else vllm_python()
     if py is None:
@@ -106,18 +108,24 @@ def run_vllm_probe(
         from peagle.builtin import local_verifier
 
         verifier = local_verifier(named)
+    sets = {name: [list(map(int, p)) for p in prompts] for name, prompts in (al or {}).items()}
+    timed = speedup.for_probe(speedup_prompts or [], max_new_tokens) if speedup is not None else None
+    longest = max((len(p) for ps in [*sets.values(), (timed or {}).get("prompts", [])] for p in ps), default=0)
     with loadable_export(export_dir, verifier) as model_dir, \
             tempfile.TemporaryDirectory(prefix="peagle-vllm-") as tmp:
-        prompt_file = Path(tmp) / "prompts.json"
-        out_file = Path(tmp) / "result.json"
-        prompt_file.write_text(json.dumps([{"prompt_token_ids": list(map(int, p))} for p in prompts]))
+        plan = {
+            "model": str(model_dir),
+            "verifier": str(verifier if verifier is not None else named),
+            "num_speculative_tokens": num_speculative_tokens,
+            "max_model_len": max_model_len or max(1024, longest + max_new_tokens + 40),
+            "al": {"max_new_tokens": max_new_tokens, "sets": [{"name": n, "prompts": p} for n, p in sets.items()]}
+            if sets else None,
+            "speedup": timed,
+        }
+        plan_file, out_file = Path(tmp) / "plan.json", Path(tmp) / "result.json"
+        plan_file.write_text(json.dumps(plan), encoding="utf-8")
         log = Path(log_path) if log_path is not None else Path(tmp) / "vllm.log"
-        cmd = [
-            str(py), str(probe_script()), "--model", str(model_dir), "--prompts", str(prompt_file),
-            "--out", str(out_file), "--max-new-tokens", str(max_new_tokens), "--max-model-len", str(max_model_len),
-        ]  # fmt: skip
-        if num_speculative_tokens is not None:
-            cmd += ["--num-speculative-tokens", str(num_speculative_tokens)]
+        cmd = [str(py), str(probe_script()), "--plan", str(plan_file), "--out", str(out_file)]
         # TQDM_DISABLE would crash vLLM's generate (it divides by the disabled bar's elapsed time, 0).
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PYTHON", "VIRTUAL_ENV")) and k != "TQDM_DISABLE"}
@@ -132,12 +140,107 @@ def run_vllm_probe(
                     cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False
                 )
             except subprocess.TimeoutExpired:
-                raise ResourceError(f"vLLM serve check timed out after {timeout_s:.0f} s") from None
+                raise ResourceError(f"vLLM probe timed out after {timeout_s:.0f} s") from None
         if not out_file.exists():
             tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-            raise ResourceError(f"vLLM serve check failed (exit {proc.returncode}): " + " | ".join(tail))
-        result = json.loads(out_file.read_text())
+            raise ResourceError(f"vLLM probe failed (exit {proc.returncode}): " + " | ".join(tail))
+        result: dict[str, Any] = json.loads(out_file.read_text())
     return result
+
+
+def al_report(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """AL of one prompt set the probe generated (`compute_acceptance` of its per-request histograms), with
+    vLLM's global counters over the same generation and whether they agree with the per-request sums."""
+    requests = raw.get("requests") or []
+    acc = compute_acceptance([r["histogram"] for r in requests if r.get("histogram") is not None])
+    counters = raw.get("counters") or {}
+    agree = (counters.get("num_drafts") == acc.num_drafts
+             and counters.get("num_accepted_tokens") == acc.num_accepted_tokens
+             and list(counters.get("per_pos") or [])[: len(acc.accepted_per_pos)] == acc.accepted_per_pos)  # fmt: skip
+    return {
+        **acc.to_dict(), "engine": "vllm", "num_prompts": len(requests),
+        "tokens_generated": sum(int(r.get("tokens") or 0) for r in requests),
+        "num_draft_tokens": counters.get("num_draft_tokens"), "counters": counters,
+        "counters_agree": bool(agree), "generate_seconds": raw.get("seconds"), "outputs": raw.get("outputs") or [],
+    }  # fmt: skip
+
+
+#: Probe fields every vLLM report repeats (what was loaded, and whether parallel drafting is on).
+_ENGINE_KEYS = ("vllm_version", "device", "hardware", "speculative_config", "mask_hidden_loaded",
+                "parallel_drafting_ok", "problems", "load_seconds")
+
+
+def serving_report(raw: Mapping[str, Any], plan: SpeedupPlan) -> dict[str, Any]:
+    """The measured serving speedup of a probe result (`peagle.eval.speedup`): the (K, batch) table, the
+    recommended K per batch size, the headline rows (trained K at batch 1 and at a batch of all prompts)
+    and the AL of those same passes, with the hardware and engine facts."""
+    sp = raw.get("speedup") or {}
+    rows = summarize_speedup(sp.get("passes") or [])
+    k = int((raw.get("speculative_config") or {}).get("num_speculative_tokens") or max(plan.ks))
+    n = max(plan.batch_sizes)
+
+    def row(b: int) -> dict[str, Any] | None:
+        return next((r for r in rows if r["num_speculative_tokens"] == k and r["batch_size"] == b), None)
+
+    hists = [q["histogram"] for p in sp.get("passes") or [] if p["side"] == "spec" and int(p["k"]) == k
+             for q in p.get("requests") or [] if q.get("histogram") is not None]  # fmt: skip
+    acc = compute_acceptance(hists).to_dict()
+    return {
+        "num_speculative_tokens": k, "batch_sizes": list(plan.batch_sizes), "rounds": plan.rounds,
+        "num_prompts": plan.num_prompts, "batch_1": row(1), "batch_n": row(n) if n != 1 else None,
+        "acceptance_length": acc["acceptance_length"], "per_position": acc["per_position"],
+        "per_request_spread": acc["per_request_spread"],
+        "table": rows, "recommended": recommend(rows),
+        "engines": sp.get("engines"), "engines_reason": sp.get("engines_reason"),
+        "outputs_identical": sp.get("outputs_identical"), "checks": sp.get("checks"),
+        "load_seconds": sp.get("load_seconds"), "vllm_version": raw.get("vllm_version"),
+        "hardware": raw.get("hardware"),
+    }  # fmt: skip
+
+
+def run_vllm_probe(
+    export_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    num_speculative_tokens: int | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """AL of one prompt set in vLLM with parallel drafting (`run_probe` + `al_report`), flat.
+
+    Returns:
+        The engine facts (`speculative_config`, `mask_hidden_loaded`, `parallel_drafting_ok`, `problems`,
+        `hardware`, ...) and the set's `al_report` (`acceptance_length`, `per_position`, counters,
+        `per_request_spread`, `outputs`).
+    """
+    raw = run_probe(export_dir, al={"prompts": prompts}, max_new_tokens=max_new_tokens,
+                    num_speculative_tokens=num_speculative_tokens, **kw)  # fmt: skip
+    return {**{k: raw.get(k) for k in _ENGINE_KEYS}, "engine": "vllm", "max_new_tokens": max_new_tokens,
+            **al_report(raw["al"]["sets"][0])}
+
+
+def measure_vllm(
+    export_dir: str | Path,
+    sets: Mapping[str, Sequence[Sequence[int]]],
+    *,
+    max_new_tokens: int,
+    num_speculative_tokens: int | None = None,
+    speedup: SpeedupPlan | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """AL of every prompt set and (with `speedup`) the serving speedup on the first set, in ONE probe
+    process (one draft-engine start for both).
+
+    Returns:
+        The engine facts, `prompt_sets` (name -> `al_report`, outputs included) and `serving`
+        (`serving_report`, None without `speedup`).
+    """
+    first = next(iter(sets.values()), [])
+    raw = run_probe(export_dir, al=sets, max_new_tokens=max_new_tokens, speedup=speedup, speedup_prompts=first,
+                    num_speculative_tokens=num_speculative_tokens, **kw)  # fmt: skip
+    reports = {s["name"]: al_report(s) for s in (raw.get("al") or {}).get("sets", [])}
+    return {**{k: raw.get(k) for k in _ENGINE_KEYS}, "engine": "vllm", "prompt_sets": reports,
+            "serving": serving_report(raw, speedup) if speedup is not None else None}
 
 
 def compare_reports(reference: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
@@ -145,144 +248,20 @@ def compare_reports(reference: dict[str, Any], vllm: dict[str, Any]) -> dict[str
 
     Args:
         reference: `EvalReport.to_dict(with_outputs=True)` of the reference decoder.
-        vllm: `run_vllm_probe` result.
+        vllm: `run_vllm_probe` result (or a `measure_vllm` set report with the engine facts).
     """
     ref_al, v_al = reference.get("acceptance_length"), vllm.get("acceptance_length")
     ratio = v_al / ref_al if ref_al and v_al else None
     ref_out, v_out = reference.get("outputs") or [], vllm.get("outputs") or []
     same = sum(1 for a, b in zip(ref_out, v_out, strict=False) if list(a) == list(b))
+    shared = ("acceptance_length", "per_position", "per_request_spread", "num_drafts", "tokens_generated")
     return {
-        "reference": {
-            k: reference.get(k)
-            for k in ("acceptance_length", "per_position", "num_drafts", "tokens_generated")
-        },
-        "vllm": {
-            k: vllm.get(k)
-            for k in (
-                "acceptance_length",
-                "per_position",
-                "num_drafts",
-                "tokens_generated",
-                "speculative_config",
-                "mask_hidden_loaded",
-                "parallel_drafting_ok",
-                "problems",
-                "vllm_version",
-                "device",
-            )
-        },
+        "reference": {k: reference.get(k) for k in shared},
+        "vllm": {k: vllm.get(k) for k in (*shared, "speculative_config", "mask_hidden_loaded", "parallel_drafting_ok",
+                                          "problems", "vllm_version", "device", "hardware")},
         "al_ratio_vllm_over_reference": ratio,
         "al_within_5pct": ratio is not None and abs(ratio - 1.0) <= 0.05,
         # Outputs are compared only when both sides carry them (None = not compared, not "0 identical").
         "identical_outputs": same if ref_out and v_out else None,
         "num_prompts": min(len(ref_out), len(v_out)) if ref_out and v_out else None,
     }
-
-
-#: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
-EVAL_DTYPES = ("auto", "float32", "bfloat16")
-
-
-def reference_dtypes(export_config: dict[str, Any], dtype: str) -> tuple[Any, Any]:
-    """(target dtype, draft dtype) of a reference evaluation of an export.
-
-    `auto` is what the evaluation inside a job does (`peagle.pipeline._evaluate_export`): the target in the
-    dtype the export is served in (its config's `torch_dtype`, bf16: about 3x faster than fp32 on a CPU
-    with bf16 instructions, and what vLLM runs), the draft in fp32 (`load_exported_draft`'s default).
-    `float32` / `bfloat16` put both in that dtype.
-
-    Raises:
-        ValueError: any other `dtype`.
-    """
-    import torch
-
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype == "auto":
-        return names.get(str(export_config.get("torch_dtype")), torch.float32), torch.float32
-    if dtype not in EVAL_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}")
-    return names[dtype], names[dtype]
-
-
-def run_eval(
-    export_dir: str | Path,
-    *,
-    prompts: str,
-    num_prompts: int,
-    max_new_tokens: int,
-    num_speculative_tokens: int | None = None,
-    engine: str = "reference",
-    target: str | None = None,
-    dtype: str = "auto",
-) -> dict[str, Any]:
-    """AL of an export with the reference decoder, vLLM, or both (what `peagle eval` prints).
-
-    Args:
-        export_dir: a validated export directory.
-        prompts: `humaneval`, `sharegpt-heldout` or a JSONL path.
-        num_prompts, max_new_tokens: first N prompts, tokens per prompt.
-        num_speculative_tokens: K; None = the export's `speculative_tokens`.
-        engine: `reference`, `vllm` or `both` (both adds the comparison).
-        target: target folder for both engines; None = the export's verifier, mapped to this machine by
-            `peagle.builtin.local_verifier`.
-        dtype: reference decoder dtypes, `auto` (as inside a job), `float32` or `bfloat16`
-            (`reference_dtypes`).
-
-    Returns:
-        `{"engine", "acceptance_length", "per_position", "tokens_generated", "num_drafts", ...}`; with
-        `both`, the reference numbers at top level plus `"vllm"` and `"comparison"`.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from peagle.errors import TargetLoadError
-    from peagle.eval.reference import evaluate_prompts, load_prompts, tokenize_prompts
-    from peagle.export.writer import (
-        check_export,
-        load_exported_draft,
-        num_speculative_tokens_of,
-        read_export_config,
-    )
-
-    check_export(export_dir)
-    cfg = read_export_config(export_dir)
-    k = num_speculative_tokens or num_speculative_tokens_of(cfg)
-    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    if not (target or verifier):
-        raise TargetLoadError("no target: pass --target (the export names no verifier)")
-    from peagle.builtin import local_verifier
-
-    try:  # the export names a portable verifier; this machine loads its local folder
-        tpath = target or local_verifier(str(verifier))
-    except (ValueError, FileNotFoundError) as exc:
-        raise TargetLoadError(f"verifier {verifier!r} cannot be loaded here: {exc}; pass --target") from None
-    target_dtype, draft_dtype = reference_dtypes(cfg, dtype)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(tpath))
-    except (OSError, ValueError) as exc:
-        raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
-    ids = tokenize_prompts(tok, load_prompts(prompts, num_prompts))
-    out: dict[str, Any] = {"prompts": prompts, "num_prompts": len(ids), "max_new_tokens": max_new_tokens}
-    ref: dict[str, Any] | None = None
-    if engine in ("reference", "both"):
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=target_dtype).eval()
-        except (OSError, ValueError) as exc:
-            raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
-        draft = load_exported_draft(export_dir, dtype=draft_dtype, validate=False)
-        eos = model.generation_config.eos_token_id
-        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        rep = evaluate_prompts(
-            model, draft, ids, num_speculative_tokens=k, max_new_tokens=max_new_tokens, eos_token_ids=eos_ids
-        )
-        ref = rep.to_dict(with_outputs=True)
-        out.update({"engine": "reference", **{k_: v for k_, v in ref.items() if k_ != "outputs"}})
-    if engine in ("vllm", "both"):
-        res = run_vllm_probe(export_dir, ids, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
-                             verifier=tpath)
-        slim = {k_: v for k_, v in res.items() if k_ != "outputs"}
-        if ref is None:
-            out.update(slim)
-        else:
-            out["vllm"] = slim
-            out["comparison"] = compare_reports(ref, res)
-    return out

@@ -61,13 +61,20 @@ def best_metric_value(metrics: dict[str, float], select_best_by: str) -> tuple[s
 
     `tau_sim` prefers the held-out `eval_tau_sim`; `loss` prefers `eval_loss` (negated);
     `acceptance_length` falls back to the tau_sim rule when AL was not measured at this checkpoint.
+
+    Raises:
+        ValueError: `select_best_by` is not one of those three (an `auto` the caller did not resolve:
+            `TrainSpec.resolve` decides it).
     """
     tau = [(eval_key(TAU_SIM), 1.0), (TAU_SIM, 1.0)]
-    order = {
+    orders = {
         ACCEPTANCE_LENGTH: [(ACCEPTANCE_LENGTH, 1.0), *tau],
         TAU_SIM: tau,
         LOSS: [(eval_key(LOSS), -1.0), (LOSS, -1.0)],
-    }[select_best_by]
+    }
+    if select_best_by not in orders:
+        raise ValueError(f"select_best_by {select_best_by!r}: one of {sorted(orders)} (resolve 'auto' first)")
+    order = orders[select_best_by]
     for name, sign in order:
         v = metrics.get(name)
         if v is not None and v == v:  # not NaN
@@ -116,7 +123,8 @@ def save_checkpoint(
         extra_writer: `extra_writer(tmp_dir, draft)` writes the vLLM export into the checkpoint
             before it is marked complete.
         keep_last: newest complete checkpoints kept (the best one is kept in addition).
-        select_best_by: `tau_sim`, `acceptance_length` or `loss` (see `best_metric_value`).
+        select_best_by: `tau_sim`, `acceptance_length` or `loss` (see `best_metric_value`); the spec's
+            `auto` resolved (`TrainSpec.resolve`).
     """
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)

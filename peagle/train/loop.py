@@ -114,7 +114,10 @@ class Trainer:
         self.extra_writer, self.evaluate_hook = extra_writer, evaluate_hook
         self.resume = resume
         p, o, r = spec.peagle, spec.optim, spec.resources
-        r = spec.resolve(cuda_available=self.device.type == "cuda").resources
+        resolved = spec.resolve(cuda_available=self.device.type == "cuda")
+        r = resolved.resources
+        #: the checkpoint ranking, `auto` resolved: measured AL when eval prompts exist, else tau_sim
+        self.select_best_by = resolved.checkpoints.select_best_by
         bf16 = self.device.type == "cuda" and r.precision == "bf16"
         self.settings = StepSettings(
             num_depths=p.num_depths,
@@ -324,7 +327,7 @@ class Trainer:
                 draft=self.draft,
                 extra_writer=self.extra_writer,
                 keep_last=self.spec.checkpoints.keep_last,
-                select_best_by=self.spec.checkpoints.select_best_by,
+                select_best_by=self.select_best_by,
             )
             self.sink.event("checkpoint", step=self.step, dir=info.dir, files=info.files, metrics=metrics,
                             is_best=info.is_best)

@@ -10,22 +10,22 @@ from typing import Any
 import pytest
 import torch
 
-from peagle.eval import serve_check
+from peagle.eval import export_eval
 from peagle.eval.reference import EvalReport
 
 
 def test_auto_is_the_dtypes_the_job_evaluates_in() -> None:
-    assert serve_check.reference_dtypes({"torch_dtype": "bfloat16"}, "auto") == (torch.bfloat16, torch.float32)
-    assert serve_check.reference_dtypes({"torch_dtype": "bfloat16"}, "float32") == (torch.float32, torch.float32)
+    assert export_eval.reference_dtypes({"torch_dtype": "bfloat16"}, "auto") == (torch.bfloat16, torch.float32)
+    assert export_eval.reference_dtypes({"torch_dtype": "bfloat16"}, "float32") == (torch.float32, torch.float32)
     with pytest.raises(ValueError, match="--dtype must be one of auto, float32, bfloat16"):
-        serve_check.reference_dtypes({}, "int8")
+        export_eval.reference_dtypes({}, "int8")
 
 
 def test_cli_default_is_auto() -> None:
     from peagle.cli.run import eval_cmd
 
     assert inspect.signature(eval_cmd).parameters["dtype"].default.default == "auto"
-    assert inspect.signature(serve_check.run_eval).parameters["dtype"].default == "auto"
+    assert inspect.signature(export_eval.run_eval).parameters["dtype"].default == "auto"
 
 
 def test_run_eval_loads_the_target_in_the_exports_dtype(
@@ -40,6 +40,6 @@ def test_run_eval_loads_the_target_in_the_exports_dtype(
                           tokens_generated=0, num_prompts=1, num_speculative_tokens=3)
 
     monkeypatch.setattr("peagle.eval.reference.evaluate_prompts", fake_evaluate)
-    serve_check.run_eval(export_dir, prompts="humaneval", num_prompts=1, max_new_tokens=1,
+    export_eval.run_eval(export_dir, prompts="humaneval", num_prompts=1, max_new_tokens=1,
                          target=str(tiny_target_path))
     assert seen == {"target": torch.bfloat16, "draft": torch.float32}

@@ -1,0 +1,150 @@
+"""`peagle eval`: AL of an export with the reference decoder, vLLM or both, per prompt set, and (vLLM) the
+measured serving speedup.
+
+    report = run_eval("runs/x/export", prompts=["humaneval", "sharegpt-heldout"], num_prompts=8,
+                      max_new_tokens=64, engine="vllm", speedup=plan_speedup(4, 8))
+
+Every AL is the pooled definition of `peagle.eval.acceptance`, whichever engine measured it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from peagle.eval.speedup import SpeedupPlan
+
+__all__ = ["EVAL_DTYPES", "reference_dtypes", "run_eval"]
+
+#: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
+EVAL_DTYPES = ("auto", "float32", "bfloat16")
+
+#: What a report drops when it is printed (token ids of every output).
+_BULKY = ("outputs", "counters")
+
+
+def reference_dtypes(export_config: dict[str, Any], dtype: str) -> tuple[Any, Any]:
+    """(target dtype, draft dtype) of a reference evaluation of an export.
+
+    `auto` is what the evaluation inside a job does (`peagle.eval.job.evaluate_export`): the target in the
+    dtype the export is served in (its config's `torch_dtype`, bf16: about 3x faster than fp32 on a CPU
+    with bf16 instructions, and what vLLM runs), the draft in fp32 (`load_exported_draft`'s default).
+    `float32` / `bfloat16` put both in that dtype.
+
+    Raises:
+        ValueError: any other `dtype`.
+    """
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return names.get(str(export_config.get("torch_dtype")), torch.float32), torch.float32
+    if dtype not in EVAL_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}")
+    return names[dtype], names[dtype]
+
+
+def _slim(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in report.items() if k not in _BULKY}
+
+
+def run_eval(
+    export_dir: str | Path,
+    *,
+    prompts: str | Sequence[str],
+    num_prompts: int,
+    max_new_tokens: int,
+    num_speculative_tokens: int | None = None,
+    engine: str = "reference",
+    target: str | None = None,
+    dtype: str = "auto",
+    speedup: SpeedupPlan | None = None,
+) -> dict[str, Any]:
+    """AL of an export per prompt set with the reference decoder, vLLM, or both (what `peagle eval` prints).
+
+    Args:
+        export_dir: a validated export directory.
+        prompts: one or several of `humaneval`, `sharegpt-heldout`, a JSONL path.
+        num_prompts, max_new_tokens: first N prompts of each set, tokens per prompt.
+        num_speculative_tokens: K; None = the export's `speculative_tokens`.
+        engine: `reference`, `vllm` or `both` (both adds the comparison on the first set).
+        target: target folder for both engines; None = the export's verifier, mapped to this machine by
+            `peagle.builtin.local_verifier`.
+        dtype: reference decoder dtypes, `auto` (as inside a job), `float32` or `bfloat16`
+            (`reference_dtypes`).
+        speedup: also time the verifier alone against it with the draft in vLLM on the first set
+            (`peagle.eval.speedup.plan_speedup`); needs `engine` vllm or both.
+
+    Returns:
+        `{"engine", "acceptance_length", "per_position", "per_request_spread", "tokens_generated",
+        "num_drafts", ...}` of the first set at top level, `prompt_sets` (every set), `serving` (the
+        speedup report, with `speedup`); with `both`, the reference numbers at top level plus `"vllm"` and
+        `"comparison"`.
+
+    Raises:
+        ValueError: `speedup` without vLLM, or an unknown `dtype`.
+        TargetLoadError: no loadable target.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peagle.builtin import local_verifier
+    from peagle.errors import TargetLoadError
+    from peagle.eval.reference import evaluate_prompts, load_prompts, tokenize_prompts
+    from peagle.eval.serve_check import compare_reports, measure_vllm
+    from peagle.export.writer import (
+        check_export,
+        load_exported_draft,
+        num_speculative_tokens_of,
+        read_export_config,
+    )
+
+    if speedup is not None and engine not in ("vllm", "both"):
+        raise ValueError("--speedup measures vLLM serving: use --engine vllm (or both)")
+    names = [prompts] if isinstance(prompts, str) else list(prompts)
+    check_export(export_dir)
+    cfg = read_export_config(export_dir)
+    k = num_speculative_tokens or num_speculative_tokens_of(cfg)
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if not (target or verifier):
+        raise TargetLoadError("no target: pass --target (the export names no verifier)")
+    try:  # the export names a portable verifier; this machine loads its local folder
+        tpath = target or local_verifier(str(verifier))
+    except (ValueError, FileNotFoundError) as exc:
+        raise TargetLoadError(f"verifier {verifier!r} cannot be loaded here: {exc}; pass --target") from None
+    target_dtype, draft_dtype = reference_dtypes(cfg, dtype)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tpath))
+    except (OSError, ValueError) as exc:
+        raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
+    sets = {name: tokenize_prompts(tok, load_prompts(name, num_prompts)) for name in names}
+    first = names[0]
+    out: dict[str, Any] = {"prompts": first, "num_prompts": len(sets[first]), "max_new_tokens": max_new_tokens}
+    ref: dict[str, dict[str, Any]] = {}
+    if engine in ("reference", "both"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=target_dtype).eval()
+        except (OSError, ValueError) as exc:
+            raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
+        draft = load_exported_draft(export_dir, dtype=draft_dtype, validate=False)
+        eos = model.generation_config.eos_token_id
+        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        for name, ids in sets.items():
+            rep = evaluate_prompts(model, draft, ids, num_speculative_tokens=k, max_new_tokens=max_new_tokens,
+                                   eos_token_ids=eos_ids)  # fmt: skip
+            ref[name] = {"engine": "reference", **rep.to_dict(with_outputs=True)}
+        out.update({"engine": "reference", **_slim(ref[first])})
+        out["prompt_sets"] = {name: _slim(r) for name, r in ref.items()}
+    if engine in ("vllm", "both"):
+        res = measure_vllm(export_dir, sets, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
+                           speedup=speedup, verifier=tpath)  # fmt: skip
+        facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
+        v_first = {**facts, **_slim(res["prompt_sets"][first])}
+        if not ref:
+            out.update(v_first)
+            out["prompt_sets"] = {name: _slim(r) for name, r in res["prompt_sets"].items()}
+        else:
+            out["vllm"] = {**v_first, "prompt_sets": {name: _slim(r) for name, r in res["prompt_sets"].items()}}
+            out["comparison"] = compare_reports(ref[first], {**facts, **res["prompt_sets"][first]})
+        out["serving"] = res["serving"]
+    return out

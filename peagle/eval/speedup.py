@@ -1,0 +1,139 @@
+"""Serving speedup of a draft in vLLM, from the probe's timed passes (`peagle/eval/vllm_probe.py` step 4).
+
+A pass is one side (`base`: the verifier alone; `spec`: verifier + draft with parallel drafting at K)
+generating the same prompts greedily at one batch size, timed. Rounds alternate the order of the sides,
+so drift in the machine's load hits both. For every (K, batch size):
+
+    tokens/s of a pass = generated tokens / seconds
+    ratio_r            = spec tokens/s / base tokens/s of round r        (paired within the round)
+    speedup            = median over rounds of ratio_r
+    AL                 = `compute_acceptance` of every spec request's histogram over those rounds
+
+Worked example: three rounds, base 30, 20, 29 tokens/s (round 2 disturbed by another process) and spec
+33, 22, 29: ratios 1.10, 1.10, 1.00, speedup 1.10. The ratio of the medians (29 / 29 = 1.00) would let
+the disturbed round decide; the pairing does not.
+
+Recommendation per batch size: the K with the highest speedup (the smaller K on a tie); when no K is
+faster than the verifier alone (speedup <= 1), the draft is not recommended at that batch size
+(`num_speculative_tokens: 0`). A speedup below 1 is a slowdown and is said so (`speedup_text`).
+
+Pure and torch-free (the API and the bench import it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+from peagle.eval.acceptance import compute_acceptance
+
+__all__ = ["SpeedupPlan", "plan_speedup", "recommend", "speculative_config", "speedup_text", "summarize_speedup"]
+
+
+@dataclass(frozen=True)
+class SpeedupPlan:
+    """What to measure: every K of `ks` at every batch size, `rounds` rounds, on the first `num_prompts`
+    prompts (None = all given); `engines` as the probe takes it (`auto`, `both`, `alternate`)."""
+
+    ks: list[int]
+    batch_sizes: list[int]
+    rounds: int = 3
+    num_prompts: int | None = None
+    engines: str = "auto"
+
+    def for_probe(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[str, Any]:
+        """The probe plan's `speedup` part."""
+        chosen = [list(map(int, p)) for p in prompts][: self.num_prompts]
+        return {"prompts": chosen, "max_new_tokens": int(max_new_tokens), "ks": list(self.ks),
+                "batch_sizes": list(self.batch_sizes), "rounds": int(self.rounds), "engines": self.engines}
+
+
+def plan_speedup(
+    trained_k: int, num_prompts: int, *, sweep: bool = True, batch_sizes: Sequence[int] = (), rounds: int = 3,
+    engines: str = "auto",
+) -> SpeedupPlan:
+    """K = 1..trained_k (`sweep`) or the trained K alone; batch 1, a batch of all `num_prompts` prompts and
+    the user's `batch_sizes`."""
+    ks = list(range(1, int(trained_k) + 1)) if sweep else [int(trained_k)]
+    sizes = sorted({1, int(num_prompts), *(int(b) for b in batch_sizes)})
+    return SpeedupPlan(ks=ks, batch_sizes=sizes, rounds=int(rounds), num_prompts=int(num_prompts), engines=engines)
+
+
+def speedup_text(speedup: float | None) -> str:
+    """`1.07x faster`, `0.45x (2.22x slower)`, `1.00x (no change)`; `not measured` for None."""
+    if speedup is None:
+        return "not measured"
+    if round(speedup, 2) == 1.0:
+        return f"{speedup:.2f}x (no change)"
+    if speedup > 1.0:
+        return f"{speedup:.2f}x faster"
+    return f"{speedup:.2f}x ({1.0 / speedup:.2f}x slower)"
+
+
+def _tps(p: Mapping[str, Any]) -> float:
+    return float(p["tokens"]) / float(p["seconds"]) if float(p["seconds"]) > 0 else 0.0
+
+
+def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (K, batch size), sorted by K then batch size (module docstring).
+
+    Args:
+        passes: `{"k", "batch_size", "round", "side": "base" | "spec", "seconds", "tokens", "requests"}`
+            (`requests[i]["histogram"]`: the spec side's per-request acceptance histograms).
+
+    Returns:
+        Rows `{"num_speculative_tokens", "batch_size", "rounds", "speedup", "speedup_per_round",
+        "base_tokens_per_s", "spec_tokens_per_s" (medians over rounds), "acceptance_length",
+        "per_position", "base_tokens", "spec_tokens"}`; a (K, batch) whose rounds lack a side is left out.
+    """
+    cells: dict[tuple[int, int], dict[int, dict[str, Mapping[str, Any]]]] = {}
+    for p in passes:
+        cells.setdefault((int(p["k"]), int(p["batch_size"])), {}).setdefault(int(p["round"]), {})[str(p["side"])] = p
+    rows = []
+    for (k, b), by_round in sorted(cells.items()):
+        paired = [(r, s["base"], s["spec"]) for r, s in sorted(by_round.items()) if "base" in s and "spec" in s]
+        if not paired:
+            continue
+        ratios = [_tps(spec) / _tps(base) if _tps(base) > 0 else 0.0 for _, base, spec in paired]
+        hists = [q["histogram"] for _, _, spec in paired for q in spec.get("requests") or []
+                 if q.get("histogram") is not None]  # fmt: skip
+        acc = compute_acceptance(hists)
+        rows.append({
+            "num_speculative_tokens": k, "batch_size": b, "rounds": len(paired),
+            "speedup": median(ratios), "speedup_per_round": ratios,
+            "base_tokens_per_s": median(_tps(base) for _, base, _ in paired),
+            "spec_tokens_per_s": median(_tps(spec) for _, _, spec in paired),
+            "base_tokens": sum(int(base["tokens"]) for _, base, _ in paired),
+            "spec_tokens": sum(int(spec["tokens"]) for _, _, spec in paired),
+            "acceptance_length": acc.acceptance_length, "per_position": acc.per_position,
+        })  # fmt: skip
+    return rows
+
+
+def recommend(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Best K per batch size: `{"batch_size", "num_speculative_tokens" (0 = serve without the draft),
+    "speedup" (of that K; the best measured one when 0)}`, by batch size."""
+    out = []
+    for b in sorted({int(r["batch_size"]) for r in rows}):
+        cands = sorted((r for r in rows if int(r["batch_size"]) == b),
+                       key=lambda r: (-float(r["speedup"]), int(r["num_speculative_tokens"])))  # fmt: skip
+        best = cands[0]
+        k = int(best["num_speculative_tokens"]) if float(best["speedup"]) > 1.0 else 0
+        out.append({"batch_size": b, "num_speculative_tokens": k, "speedup": float(best["speedup"]),
+                    "best_measured_k": int(best["num_speculative_tokens"])})
+    return out
+
+
+def speculative_config(model: str, recommended: Sequence[Mapping[str, Any]], default_k: int) -> dict[str, Any] | None:
+    """The `--speculative-config` to serve with: K recommended at the smallest measured batch size (batch 1:
+    latency), `default_k` when nothing was measured; None when the draft is recommended at no batch size."""
+    if recommended and all(int(r["num_speculative_tokens"]) == 0 for r in recommended):
+        return None
+    first = min(recommended, key=lambda r: int(r["batch_size"]), default=None)
+    k = int(first["num_speculative_tokens"]) if first and int(first["num_speculative_tokens"]) else None
+    if k is None:  # slower at batch 1, faster at a larger batch: the K of the smallest batch that gains
+        k = next((int(r["num_speculative_tokens"]) for r in sorted(recommended, key=lambda r: int(r["batch_size"]))
+                  if int(r["num_speculative_tokens"])), default_k)  # fmt: skip
+    return {"model": model, "method": "eagle3", "num_speculative_tokens": int(k), "parallel_drafting": True}
