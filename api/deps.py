@@ -70,6 +70,7 @@ class AppState:
     hub: Any = None
     metrics: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    vllm_available: bool = False  # the workers can run the vLLM target engine (`Settings.vllm_available`)
 
 
 async def get_state(request: Request) -> AppState:

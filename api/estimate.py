@@ -63,6 +63,19 @@ THROUGHPUT = {("small", "cpu"): 930.0, ("tiny", "cpu"): 40_000.0, ("large", "cud
 DECODE = {("small", "cpu"): 6.0, ("tiny", "cpu"): 2_000.0, ("large", "cuda"): 40.0, ("small", "cuda"): 300.0,
           ("large", "cpu"): 0.5, ("tiny", "cuda"): 2_000.0}
 LOAD_SECONDS = {"tiny": 1.0, "small": 3.0, "large": 60.0}
+# tokens generated per second when regenerating answers, per engine, size class and device (small/cpu:
+# SmolLM2 bf16 on 2 cores, vLLM with 64 conversations in flight vs transformers `generate` batch 8).
+REGEN_TOKENS_PER_S = {("vllm", "small", "cpu"): 400.0, ("hf", "small", "cpu"): 10.0,
+                      ("vllm", "tiny", "cpu"): 2_000.0, ("hf", "tiny", "cpu"): 500.0,
+                      ("vllm", "large", "cpu"): 2.0, ("hf", "large", "cpu"): 0.2,
+                      ("vllm", "small", "cuda"): 20_000.0, ("hf", "small", "cuda"): 1_000.0,
+                      ("vllm", "tiny", "cuda"): 50_000.0, ("hf", "tiny", "cuda"): 5_000.0,
+                      ("vllm", "large", "cuda"): 2_500.0, ("hf", "large", "cuda"): 150.0}
+ENGINE_START_SECONDS = {"cpu": 40.0, "cuda": 120.0}  # `vllm serve` to /health (SmolLM2 on 2 cores: ~35 s)
+# regenerated tokens per training conversation: answers stop at max_new_tokens, and a conversation stops
+# regenerating once its prompt reaches data.max_length (about 1.5 answers of the demo's ShareGPT data).
+REGEN_TURNS_PER_CONVERSATION = 1.5
+REGEN_FILL = 0.6  # answers average this share of max_new_tokens
 PREP_PER_CONVERSATION = 0.004  # templating + packing, seconds per conversation read (2 cores)
 EXPORT_SECONDS = 5.0
 SERVE_CHECK_SECONDS = 25.0  # the demo's vLLM CPU serve check (a warning and ~0 s without a vLLM venv)
@@ -72,6 +85,7 @@ MODEL_RANGE = (0.6, 1.6)
 #: Estimate phase -> the pipeline phases (`peagle.spec.phases`) whose time it covers.
 PHASE_GROUPS: Mapping[str, tuple[str, ...]] = {
     "preparing_data": ("validating", "preparing_data", "building_vocab"),
+    "regenerating": ("regenerating",),
     "capturing": ("capturing",),
     "training": ("training",),
     "evaluating": ("evaluating",),
@@ -94,6 +108,15 @@ def _size_class(model: str) -> str:
     if model == "builtin:smollm2-135m-instruct" or "135m" in model.lower() or "360m" in model.lower():
         return "small"
     return "large"
+
+
+def feature_bytes_per_token(spec: TrainSpec, hidden: int) -> int:
+    """Disk one token of target features takes in a shard: aux [3H] and the final state [H] in their stored
+    dtype (the engine's dtype with vllm; fp32 aux on a CPU with hf), plus ids, loss mask, document id."""
+    r = spec.resources
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(spec.target.dtype, 4)
+    aux_bytes = dtype_bytes if r.target_engine == "vllm" else (2 if r.device == "cuda" else 4)
+    return 3 * hidden * aux_bytes + hidden * dtype_bytes + 3 * 8
 
 
 def device_class(spec: TrainSpec) -> str:
@@ -182,8 +205,18 @@ def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: 
     training = train_tokens / tps + evals * (1.0 + held_rows * o.pack_length / (3.0 * tps))
     generated = sum(p.num_prompts for p in spec.eval.prompt_sets) * spec.eval.max_new_tokens
     serve = SERVE_CHECK_SECONDS if (spec.eval.serve_check or spec.eval.engine == "vllm") and serve_check_ready else 0
+    regen = spec.data.regenerate
+    regenerating = 0.0
+    if regen.enabled is True:
+        engine = "vllm" if regen.engine == "vllm" else "hf"
+        new_tokens = read * REGEN_TURNS_PER_CONVERSATION * regen.max_new_tokens * REGEN_FILL
+        regenerating = new_tokens / (REGEN_TOKENS_PER_S[(engine, size, dev)] * gpus)
+        regenerating += ENGINE_START_SECONDS[dev] if engine == "vllm" else 0.0
+    if spec.resources.target_engine == "vllm":
+        capture += ENGINE_START_SECONDS[dev]
     return {
         "preparing_data": LOAD_SECONDS[size] + read * PREP_PER_CONVERSATION,
+        "regenerating": regenerating,
         "capturing": capture,
         "training": training,
         "evaluating": generated / DECODE[(size, dev)],
@@ -203,7 +236,7 @@ def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:
 
 
 def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue: str, queue_position: int,
-             history: Sequence[Measured] = ()) -> dict[str, Any]:
+             history: Sequence[Measured] = (), vllm_available: bool | None = None) -> dict[str, Any]:
     """The data funnel, steps, per-phase and total wall time of `spec`, with its basis and accuracy.
 
     Args:
@@ -212,8 +245,11 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         queue: the queue the job would go to.
         queue_position: jobs queued ahead of it.
         history: earlier succeeded jobs on `queue` with the same device class (`api.history`).
+        vllm_available: whether the workers can run the vLLM target engine (resolves `target_engine: auto`).
     """
     notes: list[str] = []
+    if vllm_available is not None:  # estimate what the worker will run: the engines resolved
+        spec = spec.resolve(cuda_available=spec.resources.gpus > 0, vllm_available=vllm_available)
     fun = _data_funnel(spec, dataset_rows, notes)
     steps = _steps(spec, fun["packed_rows"] or 0)
     o = spec.optim
@@ -222,7 +258,15 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
     if hidden is None:
         hidden = HIDDEN["8b"]
         notes.append("target hidden size unknown before loading its config: assumed 4096")
-    hidden_bytes = fun["train_tokens"] * 4 * hidden * 2 if spec.resources.capture == "offline" else 0
+    per_token = feature_bytes_per_token(spec, hidden)
+    dump = (fun["train_tokens"] + spec.data.eval_samples * AVG_TOKENS_PER_ROW) * per_token
+    engine = spec.resources.target_engine
+    if spec.resources.capture == "offline":
+        hidden_bytes = dump
+    elif engine == "vllm":  # streamed: the engine runs ahead of the trainer within feature_disk_gb
+        hidden_bytes = min(dump, int(spec.resources.feature_disk_gb * 1e9))
+    else:
+        hidden_bytes = 0
     phases = model_seconds(spec, read=fun[READ], steps=steps)
     ratios = phase_ratio(history)
     spreads: list[float] = []
@@ -252,6 +296,9 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "optimizer_steps": steps,
         "tokens_per_step": tokens_per_step,
         "hidden_state_bytes": hidden_bytes,
+        "feature_bytes_per_token": per_token,
+        "offline_dump_bytes": dump,
+        "target_engine": engine,
         "wall_clock_seconds": round(total, 1),
         "wall_clock_range_seconds": [round(lo, 1), round(hi, 1)],
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},

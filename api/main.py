@@ -99,7 +99,7 @@ def _build_state(settings: Settings) -> AppState:
     read_engine = make_read_engine(engine)
     state = AppState(settings=settings, engine=engine, sessions=make_session_factory(engine),
                      producer=make_producer(settings), read_sessions=make_session_factory(read_engine),
-                     read_engine=read_engine)
+                     read_engine=read_engine, vllm_available=settings.vllm_available())
     if settings.redis_url:
         import redis
         import redis.asyncio as aioredis

@@ -10,7 +10,9 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
     after validation, so this is rare);
   - a `ready` dataset without a usable row, or whose `skip` skips every row;
   - a `target.model` folder under the operator's model roots that does not exist or holds no
-    `config.json`.
+    `config.json`;
+  - `vllm` asked for (`resources.target_engine`, `data.regenerate.engine`, `eval.engine`) where the
+    workers have no vLLM engine (`Settings.vllm_available`).
 
   Create and clone answer 422 `spec_invalid` and queue nothing; the dry run answers 200 with
   `valid: false` and the same `problems` (and still its estimate).
@@ -35,7 +37,7 @@ from service.db.models import Dataset
 
 __all__ = ["Preflight", "preflight"]
 
-_SECTIONS = {"target": 0, "data": 1, "eval": 2}
+_SECTIONS = {"target": 0, "data": 1, "eval": 2, "resources": 3}
 
 
 @dataclass
@@ -86,13 +88,26 @@ def _dataset_problem(ds: Dataset, skip: int) -> str | None:
     return None
 
 
-def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path]) -> Preflight:
+def _engine_problems(spec: TrainSpec, vllm_available: bool) -> list[dict[str, str]]:
+    """Fields that ask for the vLLM engine where the workers have none."""
+    if vllm_available:
+        return []
+    why = ("needs the vLLM engine, which the workers do not have (operator: `make vllm-env` on the worker, or "
+           "PEAGLE_VLLM_PYTHON; PEAGLE_VLLM_ON_WORKERS says whether they do)")
+    asks = [("/resources/target_engine", spec.resources.target_engine),
+            ("/data/regenerate/engine", spec.data.regenerate.engine), ("/eval/engine", spec.eval.engine)]
+    return [{"param": param, "message": f"'vllm' {why}"} for param, value in asks if value == "vllm"]
+
+
+def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path], *,
+              vllm_available: bool = True) -> Preflight:
     """Every problem of `spec` knowable before queueing, for this owner (module docstring)."""
     out = Preflight(problems=access_problems(spec, model_roots))
     out.forbidden = bool(out.problems)
     target = _target_problem(spec.target.model, model_roots)
     if target is not None:
         out.problems.append({"param": "/target/model", "message": target})
+    out.problems += _engine_problems(spec, vllm_available)
     ids = {ds_id for src in spec.data.sources if (ds_id := dataset_id(src.path)) is not None}
     owned = {ds.id: ds for ds in session.scalars(
         sa.select(Dataset).where(Dataset.id.in_(ids), Dataset.owner_id == owner_id))} if ids else {}

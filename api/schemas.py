@@ -298,12 +298,20 @@ class Estimate(BaseModel):
     tokens: int = Field(description="Training tokens after templating (estimate).")
     optimizer_steps: int
     tokens_per_step: int
-    hidden_state_bytes: int = Field(description="Disk for offline target features (0 for online capture).")
+    hidden_state_bytes: int = Field(description="Disk the job's target features take at most: the whole dump "
+                                    "offline, at most resources.feature_disk_gb online through vLLM, 0 online in "
+                                    "the trainer.")
+    feature_bytes_per_token: int = Field(description="Bytes of target features per token (aux + final state).")
+    offline_dump_bytes: int = Field(description="What an offline dump of every training and held-out token "
+                                    "would take (the capture: offline figure).")
+    target_engine: Literal["auto", "hf", "vllm"] = Field(
+        description="Where the target will run: vllm (an engine beside a draft-only trainer) or hf; auto only "
+                    "when the API cannot tell what the workers have.")
     wall_clock_seconds: float = Field(description="Wall-clock estimate on the requested device (sum of "
                                       "`phase_seconds`).")
     wall_clock_range_seconds: list[float] = Field(description="[low, high]: the range `accuracy` states.")
-    phase_seconds: dict[str, float] = Field(description="Seconds per phase: preparing_data, capturing, training, "
-                                            "evaluating, exporting (export + serve check).")
+    phase_seconds: dict[str, float] = Field(description="Seconds per phase: preparing_data, regenerating, capturing, "
+                                            "training, evaluating, exporting (export + serve check).")
     basis: Literal["history", "model"] = Field(description="history: scaled by earlier jobs on this queue and "
                                                "device class; model: the calibrated model alone.")
     history_jobs: int = Field(description="Earlier jobs the estimate is measured from.")

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     model_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Folders whose models API jobs may name as an absolute "
         "`target.model` path (`os.pathsep`-separated, or a JSON list); empty = hub ids and builtins only.")
+    vllm_on_workers: Literal["auto", "yes", "no"] = Field(
+        default="auto", description="Whether the workers can run the vLLM target engine (`resources.target_engine`): "
+        "auto = whether this machine can (embedded mode: the API and the worker share it; `make vllm-env`). The "
+        "dry run resolves `target_engine: auto` by it, and a job asking for `vllm` where it is `no` is refused.")
     worker_queue: str = Field(default="cpu", description="Celery queue this worker consumes (per GPU kind).")
     heartbeat_seconds: float = Field(default=5.0, gt=0, description="Worker lease heartbeat interval.")
     lease_seconds: float = Field(default=60.0, gt=0, description="A job whose heartbeat is older is requeued.")
@@ -108,6 +112,14 @@ class Settings(BaseSettings):
             text = value.strip()
             return json.loads(text) if text.startswith("[") else [p for p in text.split(os.pathsep) if p]
         return value
+
+    def vllm_available(self) -> bool:
+        """Whether the workers can start a vLLM engine (`vllm_on_workers`; auto = this machine can)."""
+        if self.vllm_on_workers != "auto":
+            return self.vllm_on_workers == "yes"
+        from peagle.engine.locate import vllm_available
+
+        return vllm_available()
 
     def secret_key_problem(self) -> str | None:
         """Why `secret_key` is unfit outside embedded mode (None when it is fine, or when embedded)."""

@@ -98,7 +98,8 @@ def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec
                ) -> Preflight:
     """`api.preflight`: 422 for what the owner may not name or what cannot run (a dry run only reports the
     latter); the reports of the owner's datasets."""
-    checked = preflight(session, owner_id, spec, state.settings.model_roots)
+    checked = preflight(session, owner_id, spec, state.settings.model_roots,
+                        vllm_available=state.vllm_available)
     checked.check(dry_run=dry_run)
     return checked
 
@@ -177,7 +178,8 @@ def create_job(
     queue = body.queue or state.settings.worker_queue
     if dry_run:
         est = estimate(spec, dataset_rows=checked.reports, queue=queue,
-                       queue_position=repo.queue_position(session, queue), history=history(session, spec, queue))
+                       queue_position=repo.queue_position(session, queue), history=history(session, spec, queue),
+                       vllm_available=state.vllm_available)
         return json_ok({"object": "estimate", "valid": not checked.problems, "problems": checked.problems,
                         "spec": spec.model_dump(mode="json"), **est})
     idem = None

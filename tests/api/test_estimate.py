@@ -13,7 +13,7 @@ from service.db.models import JobEvent, utcnow
 from service.db.session import session_scope
 from tests.api.conftest import Sim
 
-PHASES = ("preparing_data", "capturing", "training", "evaluating", "exporting")
+PHASES = ("preparing_data", "regenerating", "capturing", "training", "evaluating", "exporting")
 
 
 def _finish(sim: Sim, job_id: str, seconds: dict[str, float], steps: int) -> None:
