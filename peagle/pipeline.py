@@ -6,19 +6,19 @@ Phases (each announced as a `phase` event on the sink, in this order): `validati
 tokenizer load, aux layer ids, provenance), `preparing_data` + `building_vocab` (`peagle.data.prepare`,
 cached in RUN/data), `capturing` (offline feature shards of the train and held-out rows when
 `resources.capture == "offline"`), `training` (the trainer; every checkpoint carries the vLLM export,
-written by `export_draft` before its COMPLETE marker), `evaluating` (the reference decoder on the best checkpoint's EXPORT, i.e. on exactly
-the bf16 weights vLLM will serve), `exporting` (RUN/export = the best export + eval.json), optional
-`serve_check` (vLLM), `done`. The run directory layout is in docs/service.md 7.
+written by `export_draft` before its COMPLETE marker), then the evaluation end (`peagle.eval.job`):
+`evaluating` (AL of the best checkpoint's EXPORT, i.e. of exactly the bf16 weights vLLM will serve, by the
+resolved `eval.engine`, with vLLM's serving speedup), `exporting` (RUN/export = the best export + eval.json),
+optional `serve_check` (vLLM against the reference decoder), `done`. The run directory layout is in
+docs/service.md 7.
 
 A resumed run (`resume="auto"`) reloads the prepared data by spec hash and the newest COMPLETE checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from peagle.errors import CheckpointError, TargetLoadError
-from peagle.fileio import atomic_write_json, publish_dir
+from peagle.errors import TargetLoadError
+from peagle.fileio import atomic_write_json
 from peagle.spec import TrainSpec
-from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 from peagle.spec.targets import portable_verifier
 from peagle.train.heartbeat import ProgressLog
 from peagle.train.progress import ProgressSink
@@ -181,6 +180,7 @@ def run_pipeline(
     """
     from peagle.data.prepare import prepare_data
     from peagle.engine.locate import vllm_available
+    from peagle.eval.job import al_hook, evaluate_run
     from peagle.export.writer import export_draft
     from peagle.model.draft import PEagleDraft
     from peagle.target.capture import resolve_aux_layer_ids
@@ -278,35 +278,16 @@ def run_pipeline(
             eval_source=eval_source,
             sink=sink,
             extra_writer=write_export,
-            evaluate_hook=_al_hook(spec, model, tok, k_eval) if spec.eval.prompt_sets else None,
+            evaluate_hook=al_hook(base, model, tok, k_eval, target_path=target_path, architectures=arch)
+            if spec.eval.prompt_sets else None,
             device=device,
             resume=resume,
         )
         trainer.train()
 
-    best = _best_checkpoint(run / "checkpoints")
-    result.best_checkpoint = best.name
-    _phase(sink, "evaluating", f"acceptance length of {best.name} (reference decoder, K={k_eval})")
-    result.eval = _evaluate_export(spec, best, model, tok, k_eval, sink)
-    if result.eval.get(ACCEPTANCE_LENGTH) is not None:
-        values = {ACCEPTANCE_LENGTH: result.eval[ACCEPTANCE_LENGTH]}
-        values.update(al_pos_values(result.eval.get(PER_POSITION, [])))
-        sink.metric(trainer.step, trainer.step / max(steps, 1) * spec.optim.epochs, values)
-    # `checkpoint_step` lets the service record this AL on the evaluated checkpoint itself.
-    step_of_best = best.name.rsplit("_", 1)[-1]
-    sink.event("eval", metrics=result.eval, checkpoint=best.name,
-               checkpoint_step=int(step_of_best) if step_of_best.isdigit() else None)
-
-    _phase(sink, "exporting", "RUN/export = the best checkpoint's vLLM export")
-    export_dir = _copy_export(best, run / "export")
-    _write_json(export_dir / "eval.json", {"checkpoint": best.name, **result.eval})
-    result.export_dir = export_dir
-    sink.event("export", dir="export", checkpoint=best.name, message=f"exported {best.name} to RUN/export")
-
-    if spec.eval.serve_check or spec.eval.engine == "vllm":
-        _phase(sink, "serve_check", "loading the export in vLLM with parallel drafting")
-        result.serve_check = _serve_check(spec, export_dir, tok, k_eval, sink, target_path)
-    _phase(sink, "done", f"done: {_al_text(result.eval, spec)} ({best.name})")
+    # the evaluation end (peagle/eval/job.py): best checkpoint's AL (and serving speedup), export, serve check
+    evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
+                 step=trainer.step, total_steps=steps)
     return result
 
 
@@ -337,155 +318,3 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
     if spec.draft.layer_init == "target":
         init_layers_from_target(draft, model)
     return draft
-
-
-def _best_checkpoint(root: Path) -> Path:
-    from peagle.train.checkpoint import read_state
-
-    state = read_state(root)
-    for name in (state.get("best"), state.get("latest")):
-        if name and (root / name / "COMPLETE").exists():
-            return root / name
-    raise CheckpointError(f"{root}: no complete checkpoint to export")
-
-
-def _prompt_ids(spec: TrainSpec, tok: Any) -> list[tuple[str, list[list[int]]]]:
-    from peagle.eval.reference import load_prompts, tokenize_prompts
-
-    return [
-        (ps.name, tokenize_prompts(tok, load_prompts(ps.name, ps.num_prompts)))
-        for ps in spec.eval.prompt_sets
-    ]
-
-
-def _eos_ids(model: Any, tok: Any) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tok.eos_token_id
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-
-
-def _evaluate_export(
-    spec: TrainSpec, ckpt: Path, model: Any, tok: Any, k: int, sink: ProgressSink
-) -> dict[str, Any]:
-    from peagle.eval.reference import evaluate_prompts
-    from peagle.export.writer import load_exported_draft
-
-    draft = load_exported_draft(ckpt).to(next(model.parameters()).device)
-    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
-    out: dict[str, Any] = {
-        TAU_SIM: meta.get("metrics", {}).get(eval_key(TAU_SIM), meta.get("metrics", {}).get(TAU_SIM))
-    }
-    sets = {}
-    for name, prompts in _prompt_ids(spec, tok):
-        rep = evaluate_prompts(
-            model, draft, prompts, num_speculative_tokens=k, max_new_tokens=spec.eval.max_new_tokens,
-            eos_token_ids=_eos_ids(model, tok),
-        )  # fmt: skip
-        sets[name] = rep.to_dict()
-        sink.log(
-            "info",
-            f"{name} ({len(prompts)} prompts, reference decoder): AL {rep.acceptance_length:.2f}, "
-            f"acceptance per draft position {[round(x, 2) for x in rep.per_position]}",
-        )
-    if sets:
-        first = next(iter(sets.values()))
-        out.update(
-            acceptance_length=first["acceptance_length"], per_position=first["per_position"],
-            tokens_generated=first["tokens_generated"], num_speculative_tokens=k,
-        )  # fmt: skip
-    out["prompt_sets"] = sets
-    return out
-
-
-def _al_text(ev: dict[str, Any], spec: TrainSpec) -> str:
-    """`AL 1.23 (reference decoder, humaneval, 8 prompts)`: the measured AL of an eval, rounded for people."""
-    al = ev.get(ACCEPTANCE_LENGTH)
-    if not isinstance(al, int | float):
-        return "AL not measured (no eval.prompt_sets)"
-    first = spec.eval.prompt_sets[0] if spec.eval.prompt_sets else None
-    where = f", {first.name}, {first.num_prompts} prompts" if first else ""
-    return f"AL {al:.2f} (reference decoder{where})"
-
-
-def _al_hook(spec: TrainSpec, model: Any, tok: Any, k: int) -> Any:
-    """`evaluate_hook` measuring AL during training: the first `eval.al_num_prompts` prompts of the first
-    prompt set (all of them when checkpoints.select_best_by = acceptance_length, which ranks by it)."""
-    prompts = _prompt_ids(spec, tok)[0][1]
-    if spec.checkpoints.select_best_by != ACCEPTANCE_LENGTH:
-        prompts = prompts[: spec.eval.al_num_prompts]
-
-    def hook(draft: Any, step: int) -> dict[str, float]:
-        from peagle.eval.reference import evaluate_prompts
-
-        was_training = draft.training
-        draft.eval()
-        rep = evaluate_prompts(
-            model, draft, prompts, num_speculative_tokens=k, max_new_tokens=spec.eval.max_new_tokens,
-            eos_token_ids=_eos_ids(model, tok),
-        )  # fmt: skip
-        draft.train(was_training)
-        return {
-            ACCEPTANCE_LENGTH: rep.acceptance_length,
-            **al_pos_values(rep.per_position),
-        }
-
-    return hook
-
-
-def _copy_export(ckpt: Path, dest: Path) -> Path:
-    from peagle.export.writer import check_export
-
-    with publish_dir(dest, tmp_name=dest.name + ".tmp") as tmp:
-        for name in ("config.json", "model.safetensors"):
-            shutil.copy2(ckpt / name, tmp / name)
-        check_export(tmp)
-    return dest
-
-
-def _serve_check(
-    spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink, target_path: Path | str
-) -> dict[str, Any] | None:
-    from peagle.errors import ResourceError
-    from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
-
-    if vllm_python() is None:
-        sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")
-        return None
-    eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
-    name, prompts = _prompt_ids(spec, tok)[0]
-    try:
-        res = run_vllm_probe(  # vLLM loads the folder the run trained against; the export names it portably
-            export_dir, prompts, max_new_tokens=spec.eval.max_new_tokens, num_speculative_tokens=k,
-            verifier=target_path,
-        )
-    except ResourceError as exc:
-        sink.event("warning", message=f"serve check failed: {exc}")
-        return None
-    ref = dict(eval_json.get("prompt_sets", {}).get(name, {}))
-    cmp = compare_reports(ref, res)
-    _write_json(export_dir / "serve_check.json", cmp)
-    # Keys prefixed `vllm_`: the reference decoder's `acceptance_length` stays the job's AL metric.
-    v_al, r_al = cmp["vllm"].get("acceptance_length"), cmp["reference"].get("acceptance_length")
-    def al(v: Any) -> str:
-        return "n/a" if v is None else f"{v:.2f}"
-
-    step = str(eval_json.get("checkpoint", "")).rsplit("_", 1)[-1]
-    sink.event(
-        "eval",
-        message=f"vLLM serve check ({name}, {len(prompts)} prompts): AL {al(v_al)} in vLLM vs {al(r_al)} in "
-        f"the reference decoder, parallel drafting {'on' if res.get('parallel_drafting_ok') else 'NOT on'}",
-        # `checkpoint_step`: the service records vLLM's AL on the checkpoint, next to the reference AL
-        checkpoint_step=int(step) if step.isdigit() else None,
-        metrics={
-            "engine": "vllm",
-            **{f"vllm_{k}": v for k, v in cmp["vllm"].items()},
-            "al_ratio_vllm_over_reference": cmp["al_ratio_vllm_over_reference"],
-        },
-    )
-    if not res.get("parallel_drafting_ok"):
-        sink.event(
-            "warning",
-            message="vLLM did not run the export with parallel drafting: " + "; ".join(res["problems"]),
-        )
-    return cmp

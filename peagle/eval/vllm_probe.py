@@ -218,7 +218,8 @@ class _Timed:
     """Seconds, tokens and per-request results of one side's generate calls, added up."""
 
     def __init__(self) -> None:
-        self.seconds, self.results = 0.0, []
+        self.seconds = 0.0
+        self.results: list[Any] = []
 
     def add(self, llm: Any, group: list[list[int]], max_tokens: int) -> None:
         t0 = time.perf_counter()

@@ -25,20 +25,27 @@ def test_serve_check_eval_lands_on_its_checkpoint() -> None:
 def test_pipeline_serve_check_names_the_checkpoint_and_rounds(
     tmp_path: Path, smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from peagle import pipeline
+    from peagle.eval import job
 
     export = tmp_path / "export"
     export.mkdir()
     ref = {"acceptance_length": 1.2341463414634146, "per_position": [0.2], "num_drafts": 41, "tokens_generated": 50}
     (export / "eval.json").write_text(json.dumps({"checkpoint": "step_000240", "prompt_sets": {"humaneval": ref}}))
-    vllm = {"acceptance_length": 1.1951219512195121, "per_position": [0.19], "num_drafts": 41,
-            "tokens_generated": 50, "parallel_drafting_ok": True, "problems": []}
+    vllm = {"acceptance_length": 1.1951219512195121, "per_position": [0.19], "num_drafts": 41, "tokens_generated": 50}
+    seen: dict[str, Any] = {}
+
+    def fake_measure(export_dir: Any, sets: Any, **kw: Any) -> dict[str, Any]:
+        seen.update(kw)
+        return {"parallel_drafting_ok": True, "problems": [], "prompt_sets": {"humaneval": vllm}, "serving": None}
+
     monkeypatch.setattr("peagle.eval.serve_check.vllm_python", lambda: Path("/usr/bin/python3"))
-    monkeypatch.setattr("peagle.eval.serve_check.run_vllm_probe", lambda *a, **kw: vllm)
+    monkeypatch.setattr("peagle.eval.serve_check.measure_vllm", fake_measure)
     sink = RecordingSink()
-    pipeline._serve_check(preset("demo"), export, smollm2_tokenizer, 4, sink, "target")
+    job.serve_check(preset("demo"), export, smollm2_tokenizer, 4, sink, "target")
     ev = next(r for r in sink.records if r.get("kind") == "eval")
     assert ev["checkpoint_step"] == 240
     assert ev["metrics"]["vllm_acceptance_length"] == pytest.approx(1.1951219512195121)
     assert ev["message"] == ("vLLM serve check (humaneval, 8 prompts): AL 1.20 in vLLM vs 1.23 in the reference "
                              "decoder, parallel drafting on")
+    # the serve check also times the speedup (eval.speedup, on by default): K 1..4, batch 1 and 8
+    assert seen["speedup"].ks == [1, 2, 3, 4] and seen["speedup"].batch_sizes == [1, 8]
