@@ -1,0 +1,147 @@
+"""Issue 17 end to end: jobs whose target runs in vLLM, through a real worker (slow: real SmolLM2 and vLLM).
+
+- A whole job: regeneration by the engine, capture by the engine, a draft-only trainer, AL measured by
+  vLLM, the export served by vLLM with parallel drafting; nothing of the engine left afterwards.
+- No engine process survives a cancelled job, or a worker (the supervisor) killed with -9.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.db.models import JobLog
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _need_vllm() -> None:
+    from peagle.engine.locate import vllm_python
+
+    if vllm_python() is None:
+        assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
+        pytest.skip("vLLM venv missing: run `make vllm-env` (builds .vllm-venv)")
+
+
+def vllm_spec(**over: Any) -> dict[str, Any]:
+    """A small SmolLM2 job with its target in vLLM (the demo preset, scaled down)."""
+    from peagle.spec import parse_spec, preset
+
+    spec = preset("demo").model_dump(mode="json")
+    spec["name"] = "vllm engine test"
+    spec["data"].update(sources=[{"path": "builtin:sharegpt", "max_samples": 24, "skip": 0, "format": "auto"}],
+                        max_length=256, eval_samples=4)
+    spec["data"]["regenerate"].update(enabled=True, max_new_tokens=32, batch_size=16)
+    spec["draft"].update(num_layers=1, draft_vocab_size=2048)
+    spec["peagle"]["num_depths"] = 3
+    spec["optim"].update(max_steps=6, pack_length=512)
+    spec["checkpoints"].update(every_steps=3)
+    spec["eval"].update(prompt_sets=[{"name": "humaneval", "num_prompts": 2}], max_new_tokens=16,
+                        al_every_steps=None, serve_check=True)
+    spec["resources"].update(target_engine="vllm", capture="offline", max_restarts=0)
+    for section, values in over.items():
+        spec[section].update(values)
+    return parse_spec(spec).model_dump(mode="json")
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def wait_gone(marker: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"still running: {left}"
+
+
+def log_lines(stack: Any, job_id: str) -> list[str]:
+    return [g.message for g in stack.rows(JobLog, job_id)]
+
+
+def test_whole_job_with_the_target_in_vllm(make_stack):
+    stack = make_stack("embedded", fake_trainer=False)
+    stack.start_worker()
+    job_id = stack.submit(vllm_spec())
+    job = stack.wait_status(job_id, "succeeded", "failed", "cancelled", timeout=1500)
+    assert job.status == "succeeded", (job.error_code, job.error_message, stack.logs())
+    run = stack.settings.resolved_artifact_root() / job_id
+    assert job.resolved_spec["resources"]["target_engine"] == "vllm"
+    assert job.resolved_spec["data"]["regenerate"]["enabled"] is True
+    assert job.resolved_spec["eval"]["engine"] == "vllm"
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["resolved"]["target_engine"] == "vllm"
+    logs = "\n".join(log_lines(stack, job_id))
+    assert "regenerat" in logs and "capture engine ready" in logs, logs[-3000:]
+    assert (run / "logs" / "engine-capture.log").exists()
+    report = json.loads((run / "data" / "report.json").read_text())
+    assert report["funnel"]["kept"] > 0
+    manifest = json.loads((run / "data" / "features" / "train" / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["aux_dtype"] == "bfloat16"
+    serve = json.loads((run / "export" / "serve_check.json").read_text())
+    assert serve["vllm"]["parallel_drafting_ok"] is True, serve
+    assert serve["vllm"]["speculative_config"]["num_speculative_tokens"] == 3
+    wait_gone(str(run), 30)
+
+
+def _running_engine_job(stack: Any) -> tuple[str, Path]:
+    """A long streaming job (the engine runs beside the trainer), once the engine is up and training runs."""
+    spec = vllm_spec(optim={"max_steps": 5000, "epochs": 200}, checkpoints={"every_steps": 1000},
+                     eval={"prompt_sets": [], "serve_check": False, "engine": "auto"},
+                     resources={"capture": "online"})
+    spec["data"]["regenerate"]["enabled"] = False
+    spec["data"]["eval_samples"] = 0
+    job_id = stack.submit(spec)
+    run = stack.settings.resolved_artifact_root() / job_id
+    stack.wait(job_id, lambda j: (j.progress or {}).get("step", 0) >= 1, 600, "training with the engine up")
+    engine = [p for p in processes_mentioning(str(run / "data" / "features"))]
+    assert engine, "the capture engine is not running beside the trainer"
+    return job_id, run
+
+
+def test_cancel_leaves_no_engine_process(make_stack):
+    stack = make_stack("embedded", fake_trainer=False)
+    stack.start_worker()
+    job_id, run = _running_engine_job(stack)
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from service.db import repo
+    from service.db.session import session_scope
+
+    with session_scope(stack.factory) as s:
+        _row, key = repo.create_key(s, "tests", ["read", "write"])
+    with TestClient(create_app(stack.settings)) as client:
+        r = client.post(f"/v1/jobs/{job_id}/cancel", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+    job = stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120)
+    assert job.status == "cancelled", (job.error_code, job.error_message)
+    wait_gone(str(run), 60)
+
+
+def test_kill9_of_the_worker_leaves_no_engine_process(make_stack):
+    stack = make_stack("embedded", fake_trainer=False)
+    worker = stack.start_worker()
+    _job_id, run = _running_engine_job(stack)
+    os.killpg(worker.pid, signal.SIGKILL)  # the worker and its supervisor; the trainer dies with them
+    worker.wait(timeout=10)
+    wait_gone(str(run), 60)
