@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
+    "CheckpointEvaluation",
     "CheckpointOut",
     "DatasetOut",
     "ErrorBody",
@@ -239,6 +240,106 @@ class FileOut(BaseModel):
     url: str
 
 
+class Spread(BaseModel):
+    """Per-request values (one AL per prompt) summarised: the pooled AL hides how unequal they are."""
+
+    min: float
+    p25: float
+    median: float
+    p75: float
+    max: float
+    mean: float = Field(description="Mean of per-request ALs: NOT the AL (which pools drafts over requests).")
+
+
+class Hardware(BaseModel):
+    """What a speedup was measured on: it only holds there."""
+
+    device: str = Field(description="`cpu` or `cuda`.")
+    cpu: str | None = None
+    cpu_count: int | None = Field(default=None, description="Logical CPUs the measuring process could use.")
+    memory_gb: float | None = None
+    gpu: str | None = None
+    gpu_count: int | None = None
+    load_average: list[float] | None = Field(default=None, description="Load average (1, 5, 15 min) at the "
+                                             "start: other work on the machine makes every timing noisier.")
+    load_average_end: list[float] | None = None
+
+
+class SpeedupRow(BaseModel):
+    """The verifier alone vs with the draft at one (K, batch size), interleaved rounds."""
+
+    num_speculative_tokens: int
+    batch_size: int
+    rounds: int
+    speedup: float = Field(description="Median over rounds of (tokens/s with the draft) / (tokens/s alone); "
+                           "below 1 is a slowdown.")
+    speedup_text: str | None = Field(default=None, description="The speedup in words (`0.45x (2.22x slower)`).")
+    speedup_per_round: list[float]
+    base_tokens_per_s: float = Field(description="Verifier alone, median over rounds.")
+    spec_tokens_per_s: float = Field(description="Verifier with the draft, median over rounds.")
+    acceptance_length: float | None = Field(description="AL of these same generations (None: no drafts).")
+    per_position: list[float] = Field(default_factory=list)
+    base_tokens: int | None = None
+    spec_tokens: int | None = None
+
+
+class Recommendation(BaseModel):
+    batch_size: int
+    num_speculative_tokens: int = Field(description="The fastest K at this batch size; 0 = serve without the "
+                                       "draft (slower than the verifier alone at every K measured).")
+    speedup: float = Field(description="Speedup of that K (of the best K measured when 0).")
+    best_measured_k: int | None = None
+
+
+class Serving(BaseModel):
+    """Measured serving speedup in vLLM (`peagle.eval.speedup`)."""
+
+    num_speculative_tokens: int = Field(description="The trained K (the headline rows).")
+    batch_sizes: list[int] = Field(default_factory=list)
+    rounds: int | None = None
+    num_prompts: int | None = None
+    batch_1: SpeedupRow | None = Field(default=None, description="Trained K, one request at a time (latency).")
+    batch_n: SpeedupRow | None = Field(default=None, description="Trained K, a batch of all prompts (throughput).")
+    acceptance_length: float | None = Field(default=None, description="AL of the trained K's timed generations.")
+    per_position: list[float] = Field(default_factory=list)
+    per_request_spread: Spread | None = None
+    table: list[SpeedupRow] = Field(default_factory=list, description="Every (K, batch size) measured.")
+    recommended: list[Recommendation] = Field(default_factory=list, description="Best K per batch size.")
+    recommended_speculative_config: dict[str, Any] | None = None
+    engines: str | None = Field(default=None, description="`both` (verifier and draft engines loaded side by "
+                                "side) or `alternate` (one at a time).")
+    vllm_version: str | None = None
+    hardware: Hardware | None = None
+    parallel_drafting_ok: bool | None = None
+    summary: str | None = Field(default=None, description="One line in words.")
+
+
+class PromptSetEval(BaseModel):
+    acceptance_length: float | None = Field(default=None, description="Pooled: 1 + accepted / drafts (vLLM's "
+                                            "definition); None when nothing was drafted.")
+    per_position: list[float] = Field(default_factory=list)
+    per_request_spread: Spread | None = None
+    num_prompts: int | None = None
+    num_drafts: int | None = None
+    tokens_generated: int | None = None
+    engine: str | None = None
+
+
+class CheckpointEvaluation(BaseModel):
+    """What the run's evaluation measured on this checkpoint (the best one)."""
+
+    engine: str | None = Field(default=None, description="`reference` (PyTorch decoder) or `vllm`: who measured "
+                               "the AL.")
+    num_speculative_tokens: int | None = None
+    prompt_sets: dict[str, PromptSetEval] = Field(default_factory=dict, description="AL per prompt set.")
+    serving: Serving | None = Field(default=None, description="Measured serving speedup (vLLM runs only).")
+    vllm: dict[str, Any] | None = Field(default=None, description="vLLM's own AL of the serve check, when the "
+                                        "reference decoder measured the job's AL.")
+    hardware: Hardware | None = None
+    vllm_version: str | None = None
+    parallel_drafting_ok: bool | None = None
+
+
 class CheckpointOut(BaseModel):
     step: int
     dir: str
@@ -253,6 +354,8 @@ class CheckpointOut(BaseModel):
     serve_url: str
     folder: str = Field(description="What the archive unpacks to (`<folder>/config.json`, ...) and "
                         "`peagle jobs download` writes by default; the serve command names it.")
+    evaluation: CheckpointEvaluation | None = Field(default=None, description="The evaluation of this checkpoint "
+                                                    "(the job's best): AL per prompt set, serving speedup.")
 
 
 class CheckpointList(BaseModel):
@@ -268,6 +371,10 @@ class ServeCommand(BaseModel):
     model_dir: str = Field(description="The folder the archive unpacks to; `peagle jobs download`'s default --out.")
     note: str | None = Field(default=None, description="Set when the verifier is not loadable by name elsewhere "
                              "(`builtin:tiny-llama`, random weights with no hub copy): what to do instead.")
+    recommended: list[Recommendation] = Field(default_factory=list, description="Best K per batch size as "
+                                              "measured (the long form uses the K of the smallest batch that gains).")
+    speedup_note: str | None = Field(default=None, description="The measured speedup in words, slowdowns "
+                                     "included, and the hardware it was measured on; None: not measured.")
 
 
 class Funnel(BaseModel):

@@ -181,15 +181,20 @@ class ProgressCollector:
             self.batch.progress = {**self._last_progress, **self.summary}
 
     def _checkpoint_eval(self, rec: dict[str, Any]) -> None:
-        """An eval naming `checkpoint_step` (the pipeline's final AL of the best checkpoint) is also
-        recorded on that checkpoint, so the checkpoints table shows its measured AL."""
+        """An eval naming `checkpoint_step` (the pipeline's final AL of the best checkpoint, the serve
+        check) is also recorded on that checkpoint: its measured AL keys into the checkpoint's metrics, its
+        `evaluation` object (engine, AL per prompt set, serving speedup, hardware) into its evaluation."""
         step = rec.get("checkpoint_step")
         raw = rec.get("metrics")
         if not isinstance(step, int) or isinstance(step, bool) or not isinstance(raw, dict):
             return
         values = {k: v for k, v in _eval_values(raw).items() if is_measured_al_key(k)}
-        if values:
-            self.batch.checkpoint_metrics.append({"step": step, "metrics": values})
+        evaluation = rec.get("evaluation")
+        entry: dict[str, Any] = {"step": step, "metrics": values}
+        if isinstance(evaluation, dict) and evaluation:
+            entry["evaluation"] = evaluation
+        if values or "evaluation" in entry:
+            self.batch.checkpoint_metrics.append(entry)
 
     def _eval_metrics(self, rec: dict[str, Any], when: datetime) -> None:
         """Evaluation results are metric keys too (`eval_*`, `acceptance_length`, `al_pos_{k}`): store

@@ -120,6 +120,7 @@ def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
                    "url": f"{base}/files/{f['path']}"} for f in ck.files or []],
         "created_at": ck.created_at, "archive_url": f"{base}/archive", "serve_url": f"{base}/serve",
         "folder": checkpoint_folder(job.id, ck.step),
+        "evaluation": ck.evaluation or None,
     }
 
 
@@ -221,6 +222,28 @@ def download_archive(
                         headers=_digest_headers(sha))
 
 
+def _speedup_note(serving: dict[str, Any], trained_k: int) -> str | None:
+    """`Measured in vLLM on cpu AMD EPYC (2 CPUs): batch 1: K=2 fastest, 1.15x faster; batch 8: slower at
+    every K (best 0.62x): serve without the draft there.` None when nothing was measured."""
+    recs = serving.get("recommended") or []
+    if not recs:
+        return None
+    hw = serving.get("hardware") or {}
+    where = hw.get("gpu") or f"{hw.get('cpu') or 'an unknown CPU'} ({hw.get('cpu_count')} CPUs)"
+    parts = []
+    for r in recs:
+        k, x = int(r.get("num_speculative_tokens") or 0), float(r.get("speedup") or 0.0)
+        if k:
+            parts.append(f"batch {r['batch_size']}: K={k} fastest, {x:.2f}x faster")
+        else:
+            parts.append(f"batch {r['batch_size']}: slower than the verifier alone at every K "
+                         f"(best {x:.2f}x, {1 / x if x else float('inf'):.2f}x slower): serve without the draft there")
+    chosen = next((int(r["num_speculative_tokens"]) for r in sorted(recs, key=lambda r: int(r["batch_size"]))
+                   if r.get("num_speculative_tokens")), None)  # fmt: skip
+    tail = (f" The long form uses K={chosen} (trained: {trained_k})." if chosen and chosen != trained_k else "")
+    return f"Measured in vLLM on {hw.get('device', '?')} {where}: " + "; ".join(parts) + "." + tail
+
+
 @router.get("/{job_id}/checkpoints/{step}/serve", response_model=ServeCommand, operation_id="checkpoints-serve",
             summary="The exact `vllm serve` command for this checkpoint",
             responses=error_responses(*AUTH, 404, 422))
@@ -250,9 +273,13 @@ def serve_command(job_id: str, step: Step, state: State, session: DB, principal:
     own = {target.get(k) for k in ("model", "name_or_path")} - {None}
     if str(verifier).startswith("/") and verifier not in own:
         verifier = portable_verifier(str(target.get("model", "")), target.get("name_or_path")) or target.get("model")
-    spec_cfg = {"model": f"./{name}", "method": "eagle3", "num_speculative_tokens": int(k),
+    serving = (ck.evaluation or {}).get("serving") or {}
+    measured_k = (serving.get("recommended_speculative_config") or {}).get("num_speculative_tokens")
+    spec_cfg = {"model": f"./{name}", "method": "eagle3", "num_speculative_tokens": int(measured_k or k),
                 "parallel_drafting": True}
     return {
+        "recommended": serving.get("recommended") or [],
+        "speedup_note": _speedup_note(serving, int(k)),
         "command": f"vllm serve {shlex.quote('./' + name)}",
         "long_command": f"vllm serve {shlex.quote(str(verifier))} --speculative-config "
         f"{shlex.quote(json.dumps(spec_cfg))}",

@@ -199,6 +199,7 @@ def _serving_summary(serving: dict[str, Any] | None, default_k: int) -> dict[str
     out = {k: v for k, v in serving.items() if k != "checks"}
     out["recommended_speculative_config"] = speculative_config("", serving.get("recommended") or [], default_k)
     out["parallel_drafting_ok"] = all(not c.get("problems") for c in (serving.get("checks") or {}).values())
+    out["summary"] = _serving_text(out)
     return out
 
 
@@ -249,7 +250,7 @@ def evaluate_export(
         out["num_speculative_tokens"] = k
     out["prompt_sets"] = reports
     if out.get("serving"):
-        sink.log("info", _serving_text(out["serving"]))
+        sink.log("info", out["serving"]["summary"])
     return out
 
 
@@ -357,7 +358,7 @@ def serve_check(
             "hardware": res.get("hardware")},
     )
     if serving:
-        sink.log("info", _serving_text(serving))
+        sink.log("info", serving["summary"])
     if not res.get("parallel_drafting_ok"):
         sink.event("warning", message="vLLM did not run the export with parallel drafting: "
                                       + "; ".join(res.get("problems") or []))  # fmt: skip

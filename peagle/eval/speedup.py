@@ -84,7 +84,7 @@ def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
             (`requests[i]["histogram"]`: the spec side's per-request acceptance histograms).
 
     Returns:
-        Rows `{"num_speculative_tokens", "batch_size", "rounds", "speedup", "speedup_per_round",
+        Rows `{"num_speculative_tokens", "batch_size", "rounds", "speedup", "speedup_text", "speedup_per_round",
         "base_tokens_per_s", "spec_tokens_per_s" (medians over rounds), "acceptance_length",
         "per_position", "base_tokens", "spec_tokens"}`; a (K, batch) whose rounds lack a side is left out.
     """
@@ -102,7 +102,7 @@ def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
         acc = compute_acceptance(hists)
         rows.append({
             "num_speculative_tokens": k, "batch_size": b, "rounds": len(paired),
-            "speedup": median(ratios), "speedup_per_round": ratios,
+            "speedup": median(ratios), "speedup_text": speedup_text(median(ratios)), "speedup_per_round": ratios,
             "base_tokens_per_s": median(_tps(base) for _, base, _ in paired),
             "spec_tokens_per_s": median(_tps(spec) for _, _, spec in paired),
             "base_tokens": sum(int(base["tokens"]) for _, base, _ in paired),

@@ -117,8 +117,8 @@ class Batch:
     logs: list[dict[str, Any]] = field(default_factory=list)  # {level, message, time}
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # {step, dir, files, metrics, is_best}
     missing_checkpoint_steps: list[int] = field(default_factory=list)  # deleted by keep_last
-    #: {step, metrics}: measurements made after a checkpoint was saved (the final AL of the best one),
-    #: merged into that checkpoint's metrics.
+    #: {step, metrics, evaluation?}: measurements made after a checkpoint was saved (the final AL of the
+    #: best one, the serve check), merged into that checkpoint's metrics and evaluation.
     checkpoint_metrics: list[dict[str, Any]] = field(default_factory=list)
     progress: dict[str, Any] | None = None
     phase: str | None = None
@@ -386,7 +386,7 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
     for ck in batch.checkpoints:
         _upsert_checkpoint(session, lease, ck, now)
     for cm in batch.checkpoint_metrics:
-        _merge_checkpoint_metrics(session, jid, int(cm["step"]), cm.get("metrics") or {})
+        _merge_checkpoint_metrics(session, jid, int(cm["step"]), cm.get("metrics") or {}, cm.get("evaluation"))
     if batch.missing_checkpoint_steps:
         session.execute(
             sa.update(Checkpoint)
@@ -397,16 +397,22 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
     return seqs
 
 
-def _merge_checkpoint_metrics(session: Session, job_id: str, step: int, metrics: dict[str, Any]) -> None:
-    """Add `metrics` to an existing checkpoint's metrics (a later measurement wins); no row, no-op."""
+def _merge_checkpoint_metrics(session: Session, job_id: str, step: int, metrics: dict[str, Any],
+                              evaluation: dict[str, Any] | None = None) -> None:
+    """Add `metrics` to an existing checkpoint's metrics and `evaluation`'s top-level keys to its evaluation
+    (a later measurement wins); no row, no-op."""
     current = session.execute(
-        sa.select(Checkpoint.metrics).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+        sa.select(Checkpoint.metrics, Checkpoint.evaluation).where(Checkpoint.job_id == job_id,
+                                                                    Checkpoint.step == step)
     ).first()
-    if current is None or not metrics:
+    if current is None or not (metrics or evaluation):
         return
+    values: dict[str, Any] = {"metrics": {**(current[0] or {}), **metrics}}
+    if evaluation:
+        values["evaluation"] = {**(current[1] or {}), **evaluation}
     session.execute(
         sa.update(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
-        .values(metrics={**(current[0] or {}), **metrics}).execution_options(synchronize_session=False)
+        .values(**values).execution_options(synchronize_session=False)
     )
 
 

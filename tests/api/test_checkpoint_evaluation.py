@@ -1,0 +1,84 @@
+"""Issue 18: a checkpoint's measured serving speedup (with the hardware it ran on), its AL per prompt set and
+the recommended K per batch size come back from the API, and the serve command uses the recommended K."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from service.db.models import Checkpoint
+from service.db.session import session_scope
+
+
+def _row(k: int, b: int, speedup: float, text: str) -> dict[str, Any]:
+    return {"num_speculative_tokens": k, "batch_size": b, "rounds": 3, "speedup": speedup,
+            "speedup_per_round": [speedup] * 3, "base_tokens_per_s": 30.0 * b, "spec_tokens_per_s": 30.0 * b * speedup,
+            "acceptance_length": 1.3, "per_position": [0.3], "base_tokens": 100, "spec_tokens": 100,
+            "speedup_text": text}
+
+
+HW = {"device": "cpu", "cpu": "AMD EPYC", "cpu_count": 2, "memory_gb": 23.5, "gpu": None, "gpu_count": 0}
+SERVING = {
+    "num_speculative_tokens": 3, "batch_sizes": [1, 8], "rounds": 3, "num_prompts": 8,
+    "batch_1": _row(3, 1, 1.07, "1.07x faster"), "batch_n": _row(3, 8, 0.45, "0.45x (2.22x slower)"),
+    "acceptance_length": 1.31, "per_position": [0.3, 0.01],
+    "per_request_spread": {"min": 1.1, "p25": 1.2, "median": 1.3, "p75": 1.4, "max": 1.7, "mean": 1.31},
+    "table": [_row(2, 1, 1.15, "1.15x faster"), _row(3, 1, 1.07, "1.07x faster"),
+              _row(2, 8, 0.62, "0.62x (1.61x slower)"), _row(3, 8, 0.45, "0.45x (2.22x slower)")],
+    "recommended": [{"batch_size": 1, "num_speculative_tokens": 2, "speedup": 1.15, "best_measured_k": 2},
+                    {"batch_size": 8, "num_speculative_tokens": 0, "speedup": 0.62, "best_measured_k": 2}],
+    "recommended_speculative_config": {"model": "", "method": "eagle3", "num_speculative_tokens": 2,
+                                       "parallel_drafting": True},
+    "engines": "both", "vllm_version": "0.32.0", "hardware": HW, "parallel_drafting_ok": True,
+    "summary": "served speedup (vLLM on cpu AMD EPYC x2, K=3, AL 1.31): batch 1 1.07x faster, ...",
+}
+EVALUATION = {"engine": "vllm", "num_speculative_tokens": 3, "hardware": HW, "serving": SERVING,
+              "prompt_sets": {"humaneval": {"acceptance_length": 1.31, "per_position": [0.3, 0.01],
+                                            "per_request_spread": SERVING["per_request_spread"], "num_prompts": 8},
+                              "sharegpt-heldout": {"acceptance_length": 1.12, "per_position": [0.1, 0.0],
+                                                   "per_request_spread": None, "num_prompts": 8}}}
+
+
+def _evaluated(client: TestClient, alice: dict, sim: Any, evaluation: dict[str, Any] | None) -> str:
+    job = client.post("/v1/jobs", json={"preset": "demo"}, headers=alice).json()
+    sim.checkpoint(job["id"], 4, {"model.safetensors": b"w"})
+    with session_scope(sim.sessions) as s:
+        s.execute(sa.update(Checkpoint).where(Checkpoint.job_id == job["id"]).values(evaluation=evaluation))
+    return str(job["id"])
+
+
+def test_checkpoints_carry_the_evaluation(client: TestClient, alice: dict, sim: Any) -> None:
+    jid = _evaluated(client, alice, sim, EVALUATION)
+    r = client.get(f"/v1/jobs/{jid}/checkpoints", headers=alice)
+    assert r.status_code == 200, r.text
+    ev = r.json()["data"][0]["evaluation"]
+    assert ev["engine"] == "vllm" and set(ev["prompt_sets"]) == {"humaneval", "sharegpt-heldout"}
+    assert ev["prompt_sets"]["humaneval"]["per_request_spread"]["median"] == 1.3
+    serving = ev["serving"]
+    assert serving["batch_1"]["speedup"] == 1.07 and serving["batch_n"]["speedup_text"] == "0.45x (2.22x slower)"
+    assert serving["hardware"]["cpu"] == "AMD EPYC" and serving["acceptance_length"] == 1.31
+    assert [x["num_speculative_tokens"] for x in serving["recommended"]] == [2, 0]
+
+
+def test_serve_command_uses_the_recommended_k(client: TestClient, alice: dict, sim: Any) -> None:
+    jid = _evaluated(client, alice, sim, EVALUATION)
+    serve = client.get(f"/v1/jobs/{jid}/checkpoints/4/serve", headers=alice).json()
+    cfg = json.loads(shlex.split(serve["long_command"])[4])
+    assert cfg["num_speculative_tokens"] == 2 and cfg["model"] == f"./{jid}-step_000004"
+    assert serve["recommended"] == SERVING["recommended"]
+    # the slowdown is said plainly, with the hardware it was measured on
+    assert "batch 8" in serve["speedup_note"] and "slower" in serve["speedup_note"]
+    assert "AMD EPYC" in serve["speedup_note"]
+
+
+def test_without_an_evaluation_the_trained_k_is_served(client: TestClient, alice: dict, sim: Any) -> None:
+    jid = _evaluated(client, alice, sim, None)
+    ck = client.get(f"/v1/jobs/{jid}/checkpoints", headers=alice).json()["data"][0]
+    assert ck["evaluation"] is None
+    serve = client.get(f"/v1/jobs/{jid}/checkpoints/4/serve", headers=alice).json()
+    assert json.loads(shlex.split(serve["long_command"])[4])["num_speculative_tokens"] == 3
+    assert serve["recommended"] == [] and serve["speedup_note"] is None
