@@ -97,9 +97,10 @@ def test_whole_job_with_the_target_in_vllm(make_stack):
     assert report["funnel"]["kept"] > 0
     manifest = json.loads((run / "data" / "features" / "train" / "manifest.json").read_text())
     assert manifest["complete"] is True and manifest["aux_dtype"] == "bfloat16"
-    serve = json.loads((run / "export" / "serve_check.json").read_text())
-    assert serve["vllm"]["parallel_drafting_ok"] is True, serve
-    assert serve["vllm"]["speculative_config"]["num_speculative_tokens"] == 3
+    # eval.engine resolved to vllm: the evaluation itself loads the export in vLLM with parallel drafting
+    ev = json.loads((run / "export" / "eval.json").read_text())
+    assert ev["engine"] == "vllm" and ev["parallel_drafting_ok"] is True, ev
+    assert ev["num_speculative_tokens"] == 3 and ev["acceptance_length"] >= 1.0
     wait_gone(str(run), 30)
 
 
