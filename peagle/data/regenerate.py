@@ -1,5 +1,5 @@
-"""Response regeneration: replace every assistant turn with the target's own answer (docs/engine.md
-"Regeneration", docs/algorithm.md 1.2). Engine-agnostic; the engines are in `peagle.data.regenerate_engines`.
+"""Response regeneration: replace every assistant turn with the target's own answer (docs/engine.md 6,
+docs/algorithm.md 1.2). Engine-agnostic; the engines are in `peagle.data.regenerate_engines`.
 
     result = regenerate_conversations(convs, tokenizer, settings, identity=target_identity(...),
                                       open_backend=lambda: open_vllm_backend(engine_config, log_path))
