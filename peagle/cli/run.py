@@ -322,8 +322,9 @@ def validate_cmd(
 
 def eval_cmd(
     directory: Path = typer.Argument(..., help="Export dir (or run / checkpoint dir)."),
-    prompts: str = typer.Option(
-        "humaneval", "--prompts", help="humaneval | sharegpt-heldout | a JSONL path."
+    prompts: list[str] = typer.Option(
+        ["humaneval"], "--prompts",
+        help="humaneval | sharegpt-heldout | a JSONL path; repeat for several sets (AL reported per set).",
     ),
     num_prompts: int = typer.Option(40, "--num-prompts", min=1),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
@@ -337,23 +338,62 @@ def eval_cmd(
         help="Reference decoder dtypes: auto (as the job's own eval: target in the export's bf16, draft "
         "fp32) | float32 | bfloat16.",
     ),
+    speedup: bool = typer.Option(
+        False, "--speedup",
+        help="Also time vLLM serving: the verifier alone vs with the draft, interleaved, at batch 1 and at a "
+        "batch of all --num-prompts prompts of the first set (needs --engine vllm or both).",
+    ),
+    batch_sizes: list[int] = typer.Option([], "--batch-size", min=1, help="Another batch size to time (repeat)."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds; the speedup is their median."),
+    sweep: bool = typer.Option(
+        False, "--sweep/--no-sweep",
+        help="Time every K from 1 to the export's K (one engine start each) and recommend the best per batch size.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
-    """Measure acceptance length (AL) and per-position acceptance of an export."""
+    """Measure acceptance length (AL, vLLM's pooled definition) per prompt set and, with --speedup, the
+    serving speedup of an export."""
     from peagle.eval.export_eval import run_eval
+    from peagle.eval.speedup import plan_speedup, speedup_text
+    from peagle.export.writer import num_speculative_tokens_of, read_export_config
 
+    if speedup and engine == Engine.reference:
+        raise _fail("--speedup times vLLM serving: use --engine vllm (or both)", EXIT_CODES["spec_invalid"])
     src = _export_dir_of(directory)
+    plan = None
+    if speedup:
+        k = num_speculative_tokens or num_speculative_tokens_of(read_export_config(src))
+        plan = plan_speedup(k, num_prompts, sweep=sweep, batch_sizes=batch_sizes, rounds=rounds)
     report = run_eval(
         src, prompts=prompts, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens, engine=engine.value, target=target, dtype=dtype,
+        speedup=plan,
     )  # fmt: skip
     if as_json:
         typer.echo(json.dumps(report))
         return
     typer.echo(f"acceptance_length {report.get('acceptance_length')}")
     typer.echo(f"per_position {report.get('per_position')}")
-    for key in ("tokens_generated", "num_drafts", "engine"):
+    for key in ("per_request_spread", "tokens_generated", "num_drafts", "engine"):
         typer.echo(f"{key} {report.get(key)}")
+    sets = report.get("prompt_sets") or {}
+    if len(sets) > 1:
+        for name, rep in sets.items():
+            typer.echo(f"prompt set {name}: acceptance_length {rep.get('acceptance_length')}")
+    serving = report.get("serving")
+    if serving:
+        hw = serving.get("hardware") or {}
+        typer.echo(f"serving speedup in vLLM {serving.get('vllm_version')} on {hw.get('device')} "
+                   f"{hw.get('gpu') or hw.get('cpu')} ({hw.get('cpu_count')} CPUs), {serving.get('rounds')} rounds, "
+                   f"AL {serving.get('acceptance_length')}:")  # fmt: skip
+        for row in serving.get("table") or []:
+            typer.echo(f"  K={row['num_speculative_tokens']} batch {row['batch_size']}: "
+                       f"{row['base_tokens_per_s']:.1f} -> {row['spec_tokens_per_s']:.1f} tokens/s, "
+                       f"{speedup_text(row['speedup'])}")  # fmt: skip
+        for rec in serving.get("recommended") or []:
+            k_rec = rec["num_speculative_tokens"]
+            typer.echo(f"  recommended at batch {rec['batch_size']}: "
+                       + (f"K={k_rec}" if k_rec else "no draft (slower at every K measured)"))
 
 
 def register(app: typer.Typer) -> None:

@@ -107,6 +107,28 @@ def test_export_eagle3_layout_and_eval(tiny_run, tmp_path):
     assert r.exit_code == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["engine"] == "reference" and rep["tokens_generated"] == 6 and len(rep["per_position"]) == 3
+    assert "per_request_spread" in rep and "outputs" not in rep
+
+
+def test_eval_reports_every_prompt_set_and_refuses_speedup_without_vllm(tiny_run):
+    """Issue 18: AL per prompt set (the held-out ShareGPT prompts, HumanEval, a JSONL file); --speedup times
+    vLLM serving, so the reference engine alone is refused with one line."""
+    run, _ = tiny_run
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = _cli("eval", str(run / "export"), "--prompts", "humaneval", "--prompts", "sharegpt-heldout",
+                 "--num-prompts", "1", "--max-new-tokens", "4", "--json")  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert set(rep["prompt_sets"]) == {"humaneval", "sharegpt-heldout"} and rep["prompts"] == "humaneval"
+    assert rep["acceptance_length"] == rep["prompt_sets"]["humaneval"]["acceptance_length"]
+    r = _cli("eval", str(run / "export"), "--speedup")
+    assert r.exit_code != 0 and "--engine vllm" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_offline_capture_caches_the_held_out_rows_too(tmp_path, tiny_target_path):
