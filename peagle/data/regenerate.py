@@ -11,9 +11,10 @@ Rules, per conversation (`ConversationRun`):
   already regenerated prefix ``conv[:j]``, rendered with the target's own chat template
   (`peagle.data.template.render` + generation prompt, tokenised as training tokenises it) and sent as
   token ids, with ``max_tokens = min(max_new_tokens, max_model_len - prompt_len)``;
-* a prompt that reaches `data.max_length` tokens ends the conversation there (``stop = "max_length"``):
-  training would cut the later turns away anyway. The conversation keeps the turns before it (counted as
-  `stopped_at_max_length`), or, when no answer came before, is dropped as `too_long_no_assistant_left`;
+* a prompt that reaches `data.max_length` tokens (or the engine's context) ends the conversation there
+  (``stop = "max_length"``): training would cut the later turns away anyway. The conversation keeps the
+  turns before it (counted as `stopped_at_max_length`), or, when no answer came before, is dropped as
+  `too_long_no_assistant_left`;
 * an answer cut by the limit (``finish_reason == "length"``): with `on_length: drop` the conversation stops
   and is dropped (`regenerated_answer_cut`); with `keep` it goes on from the cut answer (counted);
 * a conversation with no non-empty assistant answer (none in the input, or only empty answers) is dropped
@@ -132,7 +133,7 @@ class ConversationRun:
         if self.pos >= len(src):
             return None
         ids = self.encode(self.out)
-        if len(ids) >= self.s.max_length:
+        if len(ids) >= min(self.s.max_length, self.s.max_model_len):  # (a smaller engine context counts too)
             self.stop = "max_length"
             return None
         limit = min(self.s.max_new_tokens, self.s.max_model_len - len(ids))

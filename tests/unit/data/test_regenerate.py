@@ -154,6 +154,11 @@ def test_max_tokens_is_clamped_to_the_context(smollm2_tokenizer, tmp_path):
     _run(smollm2_tokenizer, CONVS[:1], _settings(max_new_tokens=500, max_length=256, max_model_len=300), eng, tmp_path)
     for req in eng.requests:
         assert req.max_tokens == min(500, 300 - len(req.prompt_ids)) and req.max_tokens < 500
+    # an engine context shorter than data.max_length ends the conversation like max_length does
+    eng2 = Scripted(smollm2_tokenizer, concurrent=False)
+    p1 = len(eng.requests[0].prompt_ids)
+    res = _run(smollm2_tokenizer, CONVS[:1], _settings(max_length=256, max_model_len=p1), eng2, tmp_path / "b")
+    assert eng2.requests == [] and res.reasons == {0: TOO_LONG}
 
 
 def test_cache_is_keyed_by_content_not_position(smollm2_tokenizer, tmp_path):
