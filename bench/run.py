@@ -41,7 +41,9 @@ def _rows(data: dict) -> list[tuple[str, str, str, str]]:
             base = key.rsplit(".", 1)[0] if "." in key else ""
             target = values.get(f"{base}.target" if base else "target", "")
             ok = values.get(f"{base}.pass" if base else "pass", "")
-            rows.append((key, f"{val:.3f}", str(target), {True: "yes", False: "NO"}.get(ok, "")))  # type: ignore[arg-type]
+            al = values.get(f"{base}.al" if base else "al")  # a serving speedup is shown next to its AL
+            name = f"{key} (AL {al:.2f})" if isinstance(al, int | float) else key
+            rows.append((name, f"{val:.3f}", str(target), {True: "yes", False: "NO"}.get(ok, "")))  # type: ignore[arg-type]
     return rows
 
 

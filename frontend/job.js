@@ -258,7 +258,7 @@ async function refreshCheckpoints() {
     const res = await api(`/v1/jobs/${encodeURIComponent(jobId)}/checkpoints`);
     if (mine !== ckRequest) return;
     const cks = res.data || res;
-    const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete, c.tau_sim, c.acceptance_length, c.metrics?.vllm_acceptance_length, c.metrics?.eval_loss]));
+    const sig = JSON.stringify(cks.map((c) => [c.step, c.is_best, c.is_latest, c.complete, c.tau_sim, c.acceptance_length, c.metrics?.vllm_acceptance_length, c.metrics?.eval_loss, c.evaluation]));
     if (sig === ckSig) return;
     ckSig = sig;
     renderCheckpoints($("#checkpoints"), job, cks);
