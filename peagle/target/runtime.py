@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ def feature_sources(
                         name="capture engine")
     with contextlib.ExitStack() as stack:
         if not done:
+            shutil.rmtree(opts.storage_dir, ignore_errors=True)  # files a killed attempt's engine left unread
             sink.log("info", "starting the vLLM capture engine (the target runs there; the trainer holds the draft)")
             stack.enter_context(server)
             sink.log("info", f"capture engine ready in {server.started_s or 0:.0f} s")
