@@ -103,14 +103,14 @@ updateCompare();
 load();
 
 /** The job's headline number from `progress` (the worker folds it in, docs/progress.md): the latest
- * measured acceptance length (reference decoder, and vLLM's when the serve check ran), else the best
+ * measured acceptance length (by the job's eval engine, and vLLM's when the serve check ran), else the best
  * checkpoint's held-out tau_sim; rounded for people, labelled by its title. */
 export function headline(progress) {
   const p = progress || {};
   const al = p.acceptance_length, vllm = p.vllm_acceptance_length, tau = p.best_tau_sim;
   if (typeof al === "number") {
     const text = `AL ${al.toFixed(2)}` + (typeof vllm === "number" ? ` · vLLM ${vllm.toFixed(2)}` : "");
-    return h("span", { title: "measured acceptance length: reference decoder" + (typeof vllm === "number" ? ", and in vLLM" : "") }, text);
+    return h("span", { title: "measured acceptance length (the job's eval engine: reference decoder or vLLM)" + (typeof vllm === "number" ? ", and in the vLLM serve check" : "") }, text);
   }
   if (typeof tau === "number") {
     return h("span", { title: "tau_sim of the best checkpoint on held-out rows (no AL measured yet)" }, `tau_sim ${tau.toFixed(2)}`);
