@@ -60,7 +60,8 @@ function renderHead() {
           h("span", {}, "id ", h("b", { class: "mono" }, j.id)),
           h("span", {}, "phase ", h("b", {}, j.phase || "—")),
           h("span", {}, "attempt ", h("b", {}, String(j.attempt ?? 0))),
-          h("span", {}, "step ", h("b", {}, p.total_steps ? `${p.step ?? 0} / ${p.total_steps}` : "—")),
+          h("span", {}, p.phase === "regenerating" ? "regenerated " : "step ",
+            h("b", {}, p.total_steps ? `${p.step ?? 0} / ${p.total_steps}` : "—")),
           h("span", { title: fmtTime(j.created_at) }, "created ", h("b", {}, fmtAgo(j.created_at))),
           j.started_at ? h("span", {}, "started ", h("b", {}, fmtTime(j.started_at))) : null,
           j.finished_at ? h("span", {}, "finished ", h("b", {}, fmtTime(j.finished_at))) : null,
@@ -226,6 +227,7 @@ function describeEvent(e) {
   if (e.kind === "phase") return `phase ${e.phase}`;
   if (e.kind === "checkpoint") return `checkpoint at step ${d.step}${d.is_best ? " (best)" : ""}`;
   if (e.kind === "eval") return `eval: ${Object.entries(d.metrics || {}).filter(([, v]) => typeof v === "number").map(([k, v]) => `${k}=${+v.toFixed(4)}`).join(" ")}`;
+  if (e.kind === "progress" && d.phase === "regenerating") return `regenerated ${d.step}/${d.total_steps} conversations`;
   if (e.kind === "progress") return `step ${d.step}/${d.total_steps}`;
   return JSON.stringify(d).slice(0, 160);
 }

@@ -89,7 +89,9 @@ export function progressBar(progress, status) {
   pct = Math.max(0, Math.min(100, pct));
   const eta = status === "running" && p.seconds_remaining != null ? ` · ETA ${fmtDuration(p.seconds_remaining)}` : "";
   const steps = p.total_steps ? `${p.step || 0}/${p.total_steps}` : "";
-  return h("div", { class: "progress", title: steps ? `step ${steps}` : "no progress yet" },
+  // regeneration reports conversations regenerated, training optimizer steps (docs/progress.md 5)
+  const unit = p.phase === "regenerating" ? "conversations regenerated" : "step";
+  return h("div", { class: "progress", title: steps ? `${unit} ${steps}` : "no progress yet" },
     h("div", { class: "bar", role: "progressbar", "aria-label": "job progress", "aria-valuemin": 0, "aria-valuemax": 100, "aria-valuenow": Math.round(pct) },
       h("span", { style: { width: `${pct.toFixed(1)}%` } })),
     h("span", { class: "pct" }, `${pct.toFixed(0)}%${eta}`));

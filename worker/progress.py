@@ -18,6 +18,7 @@ from peagle.spec.metrics import (
     ACCEPTANCE_LENGTH,
     LOSS,
     PER_POSITION,
+    REGEN_SECONDS_REMAINING,
     TAU_SIM,
     VLLM_ACCEPTANCE_LENGTH,
     al_pos_values,
@@ -81,6 +82,7 @@ class ProgressCollector:
         self.checkpoints_seen = 0
         self.last_metric_step: int | None = None
         self._rate_origin: tuple[float, int] | None = None  # (monotonic time, step) of the first progress
+        self._rate_phase: str | None = None  # the phase that origin was measured in
         self._last_progress: dict[str, Any] = {}
         #: the numbers the jobs list shows beside the progress bar (docs/progress.md 5): the latest
         #: measured AL (reference decoder and vLLM) and the best checkpoint's held-out tau_sim
@@ -206,18 +208,26 @@ class ProgressCollector:
             self.batch.metrics.append({"step": step, "epoch": None, "values": values, "time": when})
 
     def _progress(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """The job's progress summary from a `progress` event. Training counts optimizer steps; a phase that
+        reports its own progress (`phase: regenerating`: conversations done of total) counts its units, and
+        the rate behind `seconds_remaining` restarts whenever that phase changes (the training ETA is
+        never measured from the regeneration's start)."""
         step = int(rec.get("step") or 0)
         total = rec.get("total_steps")
         total = int(total) if isinstance(total, int | float) and total > 0 else None
+        phase = str(rec.get("phase") or "training")
         now = time.monotonic()
-        if self._rate_origin is None:
-            self._rate_origin = (now, step)
+        if self._rate_origin is None or self._rate_phase != phase:
+            self._rate_origin, self._rate_phase = (now, step), phase
         t0, s0 = self._rate_origin
         remaining = None
-        if total is not None and step > s0 and now > t0:
+        own = rec.get(REGEN_SECONDS_REMAINING) if phase == "regenerating" else None
+        if isinstance(own, int | float) and not isinstance(own, bool):
+            remaining = round(float(own), 1)
+        elif total is not None and step > s0 and now > t0:
             remaining = round((total - step) * (now - t0) / (step - s0), 1)
         return {
-            "step": step, "total_steps": total, "epoch": rec.get("epoch"),
+            "phase": phase, "step": step, "total_steps": total, "epoch": rec.get("epoch"),
             "percent": round(100.0 * step / total, 2) if total else None,
             "seconds_remaining": remaining,
         }

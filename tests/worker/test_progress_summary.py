@@ -12,7 +12,7 @@ def test_headline_numbers_follow_the_records_and_survive_later_progress() -> Non
     c.add({"type": "event", "kind": "checkpoint", "step": 4, "is_best": False, "metrics": {"tau_sim": 0.9}})
     assert "best_tau_sim" not in (c.batch.progress or {})  # not the best checkpoint
     c.add({"type": "event", "kind": "checkpoint", "step": 4, "is_best": True, "metrics": {"tau_sim": 0.31}})
-    assert c.take().progress == {"step": 4, "total_steps": 8, "epoch": None, "percent": 50.0,
+    assert c.take().progress == {"phase": "training", "step": 4, "total_steps": 8, "epoch": None, "percent": 50.0,
                                  "seconds_remaining": None, "best_tau_sim": 0.31}
     c.add({"type": "event", "kind": "eval", "step": 8, "metrics": {"acceptance_length": 1.25}})
     assert c.take().progress["acceptance_length"] == 1.25
@@ -27,3 +27,21 @@ def test_non_finite_al_is_not_a_headline() -> None:
     c = ProgressCollector()
     c.add({"type": "event", "kind": "eval", "metrics": {"acceptance_length": float("nan")}})
     assert c.batch.progress is None
+
+
+def test_the_training_eta_is_not_measured_from_the_regeneration(monkeypatch) -> None:
+    """Regeneration reports conversations with its own estimate; training's rate starts when training does."""
+    clock = iter([0.0, 500.0, 600.0, 610.0])
+    monkeypatch.setattr("worker.progress.time.monotonic", lambda: next(clock))
+    c = ProgressCollector()
+    c.add({"type": "event", "kind": "progress", "phase": "regenerating", "step": 10, "total_steps": 640,
+           "regen_seconds_remaining": 900.0})
+    p = c.take().progress
+    assert (p["phase"], p["step"], p["total_steps"], p["seconds_remaining"]) == ("regenerating", 10, 640, 900.0)
+    c.add({"type": "event", "kind": "progress", "phase": "regenerating", "step": 640, "total_steps": 640,
+           "regen_seconds_remaining": 0.0})
+    c.add({"type": "event", "kind": "progress", "step": 1, "total_steps": 240})  # training starts at t=600
+    assert c.take().progress["seconds_remaining"] is None  # no rate yet: not 500 s per conversation
+    c.add({"type": "event", "kind": "progress", "step": 2, "total_steps": 240})  # 10 s per step
+    p = c.take().progress
+    assert p["phase"] == "training" and p["seconds_remaining"] == 2380.0
