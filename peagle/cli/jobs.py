@@ -122,6 +122,38 @@ def logs(
             _fail(exc)
 
 
+@jobs_app.command("checkpoints")
+def checkpoints(
+    job_id: str,
+    as_json: bool = typer.Option(False, "--json", help="Print the checkpoints as JSON (evaluation included)."),
+    url: str = _URL,
+    api_key: str | None = _KEY,
+) -> None:
+    """List a job's checkpoints: tau_sim, measured AL and the serving speedup measured in vLLM (batch 1 and a
+    batch of all speedup prompts; the hardware it ran on)."""
+    with _client(url, api_key) as c:
+        try:
+            cks = c.checkpoints(job_id)
+        except ServiceError as exc:
+            _fail(exc)
+    if as_json:
+        _print(cks)
+        return
+
+    def num(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, int | float) else "-"
+
+    for ck in sorted(cks, key=lambda x: x["step"]):
+        serving = (ck.get("evaluation") or {}).get("serving") or {}
+        speed = ", ".join(f"batch {r['batch_size']} {r.get('speedup_text') or num(r.get('speedup'))}"
+                          for r in (serving.get("batch_1"), serving.get("batch_n")) if r)  # fmt: skip
+        hw = serving.get("hardware") or {}
+        where = f" on {hw.get('gpu') or hw.get('cpu')} ({hw.get('cpu_count')} CPUs)" if speed else ""
+        flags = "".join((" best" if ck.get("is_best") else "", " latest" if ck.get("is_latest") else ""))
+        typer.echo(f"step {ck['step']:>7}{flags}: tau_sim {num(ck.get('tau_sim'))}, AL "
+                   f"{num(ck.get('acceptance_length'))}" + (f", speedup {speed}{where}" if speed else ""))
+
+
 @jobs_app.command("download")
 def download(
     job_id: str,

@@ -7,6 +7,7 @@ import json
 import shlex
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -82,3 +83,25 @@ def test_without_an_evaluation_the_trained_k_is_served(client: TestClient, alice
     serve = client.get(f"/v1/jobs/{jid}/checkpoints/4/serve", headers=alice).json()
     assert json.loads(shlex.split(serve["long_command"])[4])["num_speculative_tokens"] == 3
     assert serve["recommended"] == [] and serve["speedup_note"] is None
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_cli_lists_the_speedup(settings_factory: Any, sim: Any, live_server: Any, db_url: str) -> None:
+    from typer.testing import CliRunner
+
+    from api.main import create_app
+    from peagle.cli import app as cli_app
+
+    key = sim.key("ivy", "write")
+    with live_server(create_app(settings_factory())) as srv:
+        env = {"PEAGLE_URL": srv.url, "PEAGLE_API_KEY": key}
+        runner = CliRunner()
+        jid = json.loads(runner.invoke(cli_app, ["jobs", "submit", "--preset", "demo"], env=env).output)["id"]
+        sim.checkpoint(jid, 4, {"model.safetensors": b"w"})
+        with session_scope(sim.sessions) as s:
+            s.execute(sa.update(Checkpoint).where(Checkpoint.job_id == jid).values(evaluation=EVALUATION))
+        r = runner.invoke(cli_app, ["jobs", "checkpoints", jid], env=env)
+        assert r.exit_code == 0, r.output
+        assert "speedup batch 1 1.07x faster, batch 8 0.45x (2.22x slower) on AMD EPYC (2 CPUs)" in r.output
+        r = runner.invoke(cli_app, ["jobs", "checkpoints", jid, "--json"], env=env)
+        assert json.loads(r.output)[0]["evaluation"]["serving"]["batch_1"]["speedup"] == 1.07
