@@ -199,16 +199,17 @@ def feature_sources(
             sink.log("info", "starting the vLLM capture engine (the target runs there; the trainer holds the draft)")
             stack.enter_context(server)
             sink.log("info", f"capture engine ready in {server.started_s or 0:.0f} s")
-            capture = VllmCapture(server, target.parts, aux_ids, selected)
+            engine_capture = VllmCapture(server, target.parts, aux_ids, selected)
             aux_dtype = target.dtype  # the engine computed them in it: storing them so loses nothing
             t0 = time.monotonic()
             for n in names if not streaming else names[1:]:
                 rows = prepared.train if n == "train" else prepared.eval
-                write_feature_shards(capture, rows, feats / n, aux_dtype=aux_dtype, sink=sink)
-            if capture.tokens_captured:
+                write_feature_shards(engine_capture, rows, feats / n, aux_dtype=aux_dtype, sink=sink)
+            if engine_capture.tokens_captured:
                 dt = max(time.monotonic() - t0, 1e-9)
-                sink.log("info", f"captured {capture.documents_captured} documents, {capture.tokens_captured} tokens "
-                                 f"through vLLM ({capture.tokens_captured / dt:.0f} tokens/s)")
+                sink.log("info", f"captured {engine_capture.documents_captured} documents, "
+                                 f"{engine_capture.tokens_captured} tokens through vLLM "
+                                 f"({engine_capture.tokens_captured / dt:.0f} tokens/s)")
         if _is_main():
             (run / "data" / ENGINE_DONE).write_text("ok\n")
         eval_source = OfflineFeatureSource(feats / "eval", mbs, seed) if len(prepared.eval) else None
@@ -218,7 +219,7 @@ def feature_sources(
             return
         steps = total_steps(spec.optim, -(-len(prepared.train) // mbs))
         stream = StreamingFeatureSource(
-            capture, prepared.train, mbs, seed, out_dir=feats / "stream",
+            engine_capture, prepared.train, mbs, seed, out_dir=feats / "stream",
             total_micro_batches=min(steps * spec.optim.grad_accumulation,
                                     spec.optim.epochs * -(-len(prepared.train) // mbs)),
             disk_budget_bytes=spec.resources.feature_disk_gb * 1e9,
