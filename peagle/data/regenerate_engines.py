@@ -57,15 +57,18 @@ class VllmBackend:
         served_name: the model name it serves the target under.
         alive: raises `EngineError` (with the engine log's tail) when the engine died; called after a
             failed request to tell a dead engine from a bad request.
+        failure: builds the `EngineError` of an error answer (`VllmServer.failure`: with the command and
+            the engine log's last lines, which say why).
         timeout_s: longest wait for one answer.
     """
 
     concurrent = True
 
     def __init__(self, base_url: str, served_name: str, *, alive: Callable[[], None] | None = None,
-                 timeout_s: float = 3600.0) -> None:
+                 failure: Callable[[str], EngineError] | None = None, timeout_s: float = 3600.0) -> None:
         self.url = f"{base_url}/v1/completions"
         self.served_name, self.alive, self.timeout_s = served_name, alive, timeout_s
+        self.failure = failure or EngineError
         self._client: Any = None
 
     def body(self, req: TurnRequest) -> dict[str, Any]:
@@ -95,9 +98,11 @@ class VllmBackend:
         except httpx.HTTPError as exc:
             if self.alive is not None:
                 self.alive()
-            raise EngineError(f"regeneration request failed: {type(exc).__name__}: {exc}") from None
+            raise self.failure(f"failed a regeneration request ({type(exc).__name__}: {exc})") from None
         if resp.status_code != 200:
-            raise EngineError(f"the regeneration engine answered {resp.status_code}: {resp.text[:1000]}")
+            if self.alive is not None:
+                self.alive()
+            raise self.failure(f"answered {resp.status_code} to a regeneration request ({resp.text[:300]})")
         try:
             data = resp.json()
             choice = data["choices"][0]
@@ -125,7 +130,7 @@ def open_vllm_backend(config: Any, log_path: str | Path, *, name: str = "regener
     from peagle.engine.server import VllmServer
 
     with VllmServer(config, log_path=log_path, name=name) as server:
-        yield VllmBackend(server.base_url, server.served_name, alive=server.check_alive)
+        yield VllmBackend(server.base_url, server.served_name, alive=server.check_alive, failure=server.failure)
 
 
 class HfBackend:

@@ -300,6 +300,13 @@ class VllmServer:
     ) -> None:
         self.stop()
 
+    def failure(self, reason: str) -> EngineError:
+        """An `EngineError` for a failure seen by a client of the running engine (an error answer): the
+        reason, the command and the last lines of the engine's log, which usually say why."""
+        if self.proc is not None and self.proc.poll() is not None:
+            reason += f" (the engine exited with code {self.proc.returncode})"
+        return self._error(reason, self.command())
+
     def _error(self, reason: str, cmd: Sequence[str]) -> EngineError:
         tail = log_tail(self.log_path)
         return EngineError(

@@ -128,10 +128,10 @@ class VllmCapture:
                 r = await client.post(f"{self.server.base_url}/v1/completions", json=body)
             except httpx.HTTPError as exc:
                 self.server.check_alive()
-                raise EngineError(f"capture request failed: {type(exc).__name__}: {exc}") from None
+                raise self.server.failure(f"request failed ({type(exc).__name__}: {exc})") from None
         if r.status_code != 200:
             self.server.check_alive()
-            raise EngineError(f"capture engine answered {r.status_code}: {r.text[:300]}")
+            raise self.server.failure(f"answered {r.status_code} to a capture request ({r.text[:200]})")
         path = (r.json().get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise EngineError("capture engine returned no hidden_states_path (is the connector loaded?)")

@@ -137,3 +137,37 @@ def test_guard_takes_the_group_down_when_its_parent_dies(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_job_whose_target_vllm_cannot_run_fails_at_capture_with_the_reason(tmp_path, tiny_target_path):
+    """`peagle train` with the target in vLLM, on a model vLLM's CPU attention refuses (head_dim 16, found
+    only at its first request): the job ends in its capturing phase, exit code 11 (engine_failed), the
+    message names the command and quotes the engine's own reason, and no engine process is left."""
+    from peagle.engine.locate import vllm_python
+    from peagle.errors import EXIT_CODES
+
+    if vllm_python() is None:
+        pytest.skip("vLLM venv missing: run `make vllm-env`")
+    import shutil
+
+    target = tmp_path / "my-tiny-model"  # a local folder, not the builtin (which the spec keeps in transformers)
+    shutil.copytree(tiny_target_path, target)
+    spec = {"target": {"model": str(target), "dtype": "float32"},
+            "data": {"sources": [{"path": "builtin:sharegpt", "max_samples": 8}], "max_length": 64},
+            "draft": {"num_layers": 1, "draft_vocab_size": 256}, "peagle": {"num_depths": 2},
+            "optim": {"max_steps": 2, "pack_length": 128}, "eval": {"prompt_sets": []},
+            "resources": {"device": "cpu", "target_engine": "vllm", "capture": "offline"}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "peagle", "train", str(tmp_path / "spec.json"), "--out", str(run),
+                           "--progress-jsonl", "-"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == EXIT_CODES["engine_failed"], proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    phases = [r["phase"] for r in records if r.get("kind") == "phase"]
+    assert phases[-1] == "capturing", phases
+    error = next(r for r in records if r.get("kind") == "error")
+    assert error["code"] == "engine_failed"
+    assert "capture engine answered 500" in error["message"], error
+    assert "vllm.entrypoints.openai.api_server --model" in error["message"]
+    assert "head_dim=16" in error["message"]  # the engine's own reason, from its log
+    assert not processes_mentioning(str(target))
