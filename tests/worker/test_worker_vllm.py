@@ -119,21 +119,32 @@ def _running_engine_job(stack: Any) -> tuple[str, Path]:
     return job_id, run
 
 
-def test_cancel_leaves_no_engine_process(make_stack):
-    stack = make_stack("embedded", fake_trainer=False)
-    stack.start_worker()
-    job_id, run = _running_engine_job(stack)
+def test_pause_and_cancel_leave_no_engine_process(make_stack):
+    """Pause while the engine streams features beside the trainer: paused, nothing of the engine left;
+    resume starts a new engine; cancel: cancelled, nothing left again."""
     from fastapi.testclient import TestClient
 
     from api.main import create_app
     from service.db import repo
     from service.db.session import session_scope
 
+    stack = make_stack("embedded", fake_trainer=False)
+    stack.start_worker()
+    job_id, run = _running_engine_job(stack)
     with session_scope(stack.factory) as s:
         _row, key = repo.create_key(s, "tests", ["read", "write"])
+    auth = {"Authorization": f"Bearer {key}"}
     with TestClient(create_app(stack.settings)) as client:
-        r = client.post(f"/v1/jobs/{job_id}/cancel", headers={"Authorization": f"Bearer {key}"})
-        assert r.status_code == 200, r.text
+        assert client.post(f"/v1/jobs/{job_id}/pause", headers=auth).status_code == 200
+        job = stack.wait_status(job_id, "paused", "failed", "succeeded", "cancelled", timeout=120)
+        assert job.status == "paused", (job.error_code, job.error_message, stack.logs())
+        wait_gone(str(run), 60)
+        step = (job.progress or {}).get("step", 0)
+        assert client.post(f"/v1/jobs/{job_id}/resume", headers=auth).status_code == 200
+        stack.wait(job_id, lambda j: j.status == "running" and (j.progress or {}).get("step", 0) > step, 600,
+                   "training again after resume")
+        assert processes_mentioning(str(run / "data" / "features")), "resumed without its engine"
+        assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth).status_code == 200
     job = stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120)
     assert job.status == "cancelled", (job.error_code, job.error_message)
     wait_gone(str(run), 60)
