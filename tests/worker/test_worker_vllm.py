@@ -44,8 +44,9 @@ def vllm_spec(**over: Any) -> dict[str, Any]:
     spec["peagle"]["num_depths"] = 3
     spec["optim"].update(max_steps=6, pack_length=512)
     spec["checkpoints"].update(every_steps=3)
+    # one timed round at K = 3 only: the speedup path runs; its sweep is tested in tests/worker/
     spec["eval"].update(prompt_sets=[{"name": "humaneval", "num_prompts": 2}], max_new_tokens=16,
-                        al_every_steps=None, serve_check=True)
+                        al_every_steps=None, serve_check=True, speedup_sweep=False, speedup_rounds=1)
     spec["resources"].update(target_engine="vllm", capture="offline", max_restarts=0)
     for section, values in over.items():
         spec[section].update(values)
@@ -101,6 +102,7 @@ def test_whole_job_with_the_target_in_vllm(make_stack):
     ev = json.loads((run / "export" / "eval.json").read_text())
     assert ev["engine"] == "vllm" and ev["parallel_drafting_ok"] is True, ev
     assert ev["num_speculative_tokens"] == 3 and ev["acceptance_length"] >= 1.0
+    assert ev["serving"]["batch_1"]["speedup"] > 0 and ev["serving"]["hardware"]["device"] == "cpu"
     wait_gone(str(run), 30)
 
 
