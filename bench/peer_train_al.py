@@ -4,8 +4,10 @@ Runs in `.peer-venv` (speculators installed with --no-deps next to the CPU torch
 and imports peagle from this checkout only for the DATA side, so both drafts see the same features:
 
   * the run's prepared rows (RUN/data, reloaded by spec hash), its draft vocab, mask token and aux ids;
-  * the same batch source (`build_batch_source`: same row order per seed, same shift of docs/decisions.md decision 1,
-    same target logits restricted to the draft vocab);
+  * the same batches: the run's feature shards (RUN/data/features/train, e.g. captured by vLLM, aux in bf16,
+    upcast to fp32 here as our draft upcasts them) read by the trainer's own `OfflineFeatureSource` (same row
+    order per seed, same shift of docs/decisions.md decision 1, same target logits restricted to the draft
+    vocab); an online run (no shards) captures the same rows in-process (`build_batch_source`);
   * the same optimizer settings (AdamW lr/betas/wd, schedule, warmup, grad clip), steps and seed;
   * embeddings and lm_head rows initialised from the target, as both implementations do.
 
@@ -24,12 +26,21 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
+
+
+def _complete(shards: Path) -> bool:
+    """True when `shards` holds a finished feature capture (its manifest says complete)."""
+    try:
+        return bool(json.loads((shards / "manifest.json").read_text()).get("complete"))
+    except (OSError, ValueError):
+        return False
 
 
 def main() -> int:
@@ -54,7 +65,7 @@ def main() -> int:
     from peagle.pipeline import build_initial_draft, load_target, verifier_name
     from peagle.spec import parse_spec
     from peagle.target.capture import TargetCapture
-    from peagle.target.sources import build_batch_source
+    from peagle.target.sources import OfflineFeatureSource, build_batch_source
     from peagle.train.optim import build_optimizer, build_scheduler, total_steps
 
     spec = parse_spec(json.loads((args.run / "resolved_spec.json").read_text()))
@@ -66,8 +77,12 @@ def main() -> int:
     )  # fmt: skip
     vocab = prepared.vocab
     aux_ids = list(spec.draft.aux_layer_ids)
-    capture = TargetCapture(model, aux_ids, None if vocab.is_full else vocab.selected)
-    source = build_batch_source(spec, capture, prepared.train, args.run / "peer_unused")
+    shards = args.run / "data" / "features" / "train"
+    if _complete(shards):  # the run's own feature shards (captured by vLLM or in-process): exactly its batches
+        source: Any = OfflineFeatureSource(shards, spec.optim.micro_batch_size, spec.optim.seed)
+    else:  # an online run: capture the same rows in-process
+        capture = TargetCapture(model, aux_ids, None if vocab.is_full else vocab.selected)
+        source = build_batch_source(spec, capture, prepared.train, args.run / "peer_unused")
     steps = total_steps(spec.optim, source.num_batches())
 
     # Our step-0 draft gives the shared initial embedding / lm_head rows and the layer config.
@@ -109,12 +124,13 @@ def main() -> int:
         epoch, index = divmod(step, nb)
         batch = source.batch(epoch, index)
         b = 0  # micro_batch_size 1 (the demo preset); one packed row per step
+        # features as stored (bf16 from a bf16 target) upcast to the peer's fp32, as our draft upcasts them
         _, loss, _metrics = peer(
-            hidden_states=batch["aux"][b : b + 1],
+            hidden_states=batch["aux"][b : b + 1].float(),
             input_ids=batch["input_ids"][b : b + 1],
             document_ids=batch["document_ids"][b : b + 1],
             loss_mask=batch["loss_mask"][b : b + 1],
-            verifier_last_hidden_states=batch["target_logits"][b : b + 1],
+            verifier_last_hidden_states=batch["target_logits"][b : b + 1].float(),
             loss_config=loss_config,
             max_anchors=p.max_anchors,
             num_depths=p.num_depths,

@@ -1,0 +1,292 @@
+"""Method against the peer, by measurement: paired variants of the demo draft on the same on-policy features
+(issue 18, item 5).
+
+Every variant is the `demo` preset (target in vLLM, regenerated answers, features captured by vLLM) with ONE
+knob changed (`VARIANTS`); all of them train on the same prepared rows and the same feature shards (one
+data directory, linked into each run, so `peagle train` reloads it and starts no engine), with the same
+steps and seed, and are measured the same way: `peagle eval RUN/export --engine vllm` on the first 40
+HumanEval prompts x 128 new tokens at K = 4 (AL pooled as vLLM counts it, per-position acceptance). The
+peer is speculators 0.9.0's own `PEagleDraftModel` + loss trained by `bench/peer_train_al.py` on the same
+shards, optimizer, steps and seed.
+
+Runs live in .peagle/bench/method/runs/<spec hash>/ (a variant whose spec equals another's shares its run;
+a finished, measured run is never retrained; delete the folder to redo it); the data directory is
+.peagle/bench/method/data (prepared by the first run when missing: regeneration and capture in vLLM).
+One training or one evaluation at a time.
+
+    .venv/bin/python -m bench.bench_method [--variants baseline,peer] [--variants all] [--list]
+
+Writes bench/results/method.json: per variant its knob and value, AL, per-position acceptance, held-out
+tau_sim (as trained, and over the first 4 depths), training seconds, the load average while it ran, and the
+AL ratio to the baseline (the demo preset as it is now); `ours_vs_peer` (goal >= 1.10) and `demo_al` (goal
+AL >= 1.5 at K = 4). Every measured variant (of any earlier invocation) is in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BASE = ROOT / ".peagle" / "bench" / "method"
+DATA = BASE / "data"
+RUNS = BASE / "runs"
+RESULTS = ROOT / "bench" / "results"
+PEER_PY = ROOT / ".peer-venv" / "bin" / "python"
+#: What every variant is measured with (issue 18: "AL at least 1.5 at K=4 on HumanEval").
+NUM_PROMPTS, MAX_NEW_TOKENS, SERVE_K = 40, 128, 4
+TARGET_AL, TARGET_VS_PEER = 1.5, 1.10
+
+#: name -> (knob, value, overrides of the demo preset as dotted paths). `baseline` is the preset itself.
+VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
+    "baseline": ("demo preset", None, {}),
+    "keep_r05": ("peagle.down_sample_ratio", 0.5, {"peagle.down_sample_ratio": 0.5}),
+    "keep_r07": ("peagle.down_sample_ratio", 0.7, {"peagle.down_sample_ratio": 0.7}),
+    "keep_r09": ("peagle.down_sample_ratio", 0.9, {"peagle.down_sample_ratio": 0.9}),
+    "rmin_0": ("peagle.down_sample_ratio_min", 0.0, {"peagle.down_sample_ratio_min": 0.0}),
+    "rmin_05": ("peagle.down_sample_ratio_min", 0.5, {"peagle.down_sample_ratio_min": 0.5}),
+    "depths_6": ("peagle.num_depths (served 4)", 6, {"peagle.num_depths": 6}),
+    "depths_8": ("peagle.num_depths (served 4)", 8, {"peagle.num_depths": 8}),
+    "depths_4": ("peagle.num_depths", 4, {"peagle.num_depths": 4}),
+    "lr_5e-4": ("optim.lr", 5e-4, {"optim.lr": 5e-4}),
+    "lr_1e-3": ("optim.lr", 1e-3, {"optim.lr": 1e-3}),
+    "lr_2e-3": ("optim.lr", 2e-3, {"optim.lr": 2e-3}),
+    "lr_3e-3": ("optim.lr", 3e-3, {"optim.lr": 3e-3}),
+    "lr_5e-3": ("optim.lr", 5e-3, {"optim.lr": 5e-3}),
+    "sched_const": ("optim.schedule", "constant", {"optim.schedule": "constant"}),
+    "sched_linear": ("optim.schedule", "linear", {"optim.schedule": "linear"}),
+    "minlr_0": ("optim.min_lr_ratio", 0.0, {"optim.min_lr_ratio": 0.0}),
+    "anchors_256": ("peagle.max_anchors", 256, {"peagle.max_anchors": 256}),
+    "anchors_128": ("peagle.max_anchors", 128, {"peagle.max_anchors": 128}),
+    "layers_2": ("draft.num_layers", 2, {"draft.num_layers": 2}),
+    "epochs_2": ("optim.epochs (2x steps)", 2, {"optim.epochs": 2, "optim.max_steps": 480}),
+    "wd_01": ("optim.weight_decay", 0.1, {"optim.weight_decay": 0.1}),
+    "frozen_head": ("draft.freeze_lm_head", True, {"draft.freeze_lm_head": True}),
+    "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
+}
+DEFAULT_VARIANTS = "baseline,peer"
+
+
+def variant_spec(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The demo preset with `overrides` (dotted paths), trained with the target in vLLM and no AL inside the
+    run (it is measured afterwards, the same way for every variant). Validated."""
+    from peagle.spec import parse_spec, preset
+
+    spec = preset("demo").model_dump(mode="json")
+    spec["resources"]["target_engine"] = "vllm"
+    spec["eval"].update(prompt_sets=[], serve_check=False, speedup=False, al_every_steps=None)
+    for path, value in overrides.items():
+        node = spec
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node[key]
+        if leaf not in node:
+            raise KeyError(f"{path}: no such spec field")
+        node[leaf] = value
+    return parse_spec(spec).model_dump(mode="json")
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def link_data(run: Path) -> None:
+    """RUN/data = the shared data directory: small files copied, feature shards linked (nothing is written
+    through a link, so runs cannot change each other's data)."""
+    dst = run / "data"
+    if dst.exists():
+        return
+    for src in sorted(DATA.rglob("*")):
+        if src.is_dir() or ".engine" in src.relative_to(DATA).parts[:-1] or src.parent.name == "stream":
+            continue
+        out = dst / src.relative_to(DATA)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.suffix == ".safetensors" and src.parent.parent.name == "features":
+            out.symlink_to(src.resolve())
+        else:
+            shutil.copy2(src, out)
+
+
+def _log_lines(run: Path) -> list[str]:
+    lines = []
+    for line in (run / "progress.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("type") == "log":
+            lines.append(str(rec.get("message")))
+    return lines
+
+
+def train(name: str, spec: dict[str, Any]) -> Path:
+    """The run of `spec` (trained now unless it already has an export)."""
+    run = RUNS / spec_hash(spec)
+    if (run / "export" / "config.json").exists():
+        return run
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "spec.json").write_text(json.dumps(spec, indent=1))
+    fresh_data = not (DATA / "prepared.pt").exists()
+    if not fresh_data:
+        link_data(run)
+    print(f"==> training {name} into {run.relative_to(ROOT)}", flush=True)
+    load0, t0 = os.getloadavg(), time.time()
+    with (run / "train.log").open("a") as log:
+        subprocess.run([sys.executable, "-m", "peagle", "train", str(run / "spec.json"), "--out", str(run),
+                        "--resume", "auto"], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    facts = {"train_wall_seconds": round(time.time() - t0, 1), "load_average": [load0, os.getloadavg()]}
+    (run / "bench_train.json").write_text(json.dumps(facts))
+    if fresh_data:  # the first run prepared the data every later run reuses
+        shutil.copytree(run / "data", DATA, symlinks=True, ignore=shutil.ignore_patterns(".engine", "stream"))
+    else:
+        logs = _log_lines(run)
+        if not any("prepared data reloaded" in m for m in logs) or any("capture engine" in m for m in logs):
+            raise RuntimeError(f"{run}: the run did not reuse the shared data (see {run / 'progress.jsonl'})")
+    return run
+
+
+def train_peer(baseline: Path) -> Path:
+    """The peer draft on the baseline run's features, spec (resolved), steps and seed."""
+    run = RUNS / "peer"
+    if (run / "export" / "config.json").exists():
+        return run
+    run.mkdir(parents=True, exist_ok=True)
+    link_data(run)
+    shutil.copy2(baseline / "resolved_spec.json", run / "resolved_spec.json")
+    print(f"==> training the peer (speculators 0.9.0) into {run.relative_to(ROOT)}", flush=True)
+    load0, t0 = os.getloadavg(), time.time()
+    subprocess.run([str(PEER_PY), str(ROOT / "bench" / "peer_train_al.py"), "--run", str(run),
+                    "--out", str(run / "export"), "--log", str(run / "train.jsonl")],
+                   check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    facts = {"train_wall_seconds": round(time.time() - t0, 1), "load_average": [load0, os.getloadavg()]}
+    (run / "bench_train.json").write_text(json.dumps(facts))
+    return run
+
+
+def measure(run: Path) -> dict[str, Any]:
+    """vLLM's AL of RUN/export at K = 4 (cached in the run)."""
+    cache = run / f"al_vllm_k{SERVE_K}_{NUM_PROMPTS}x{MAX_NEW_TOKENS}.json"
+    if cache.exists():
+        return dict(json.loads(cache.read_text()))
+    load0, t0 = os.getloadavg(), time.time()
+    out = subprocess.run(
+        [sys.executable, "-m", "peagle", "eval", str(run / "export"), "--engine", "vllm", "--prompts", "humaneval",
+         "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS),
+         "--num-speculative-tokens", str(SERVE_K), "--json"],
+        check=True, cwd=ROOT, capture_output=True, text=True,
+    ).stdout
+    rep = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+    rep["bench"] = {"wall_seconds": round(time.time() - t0, 1), "load_average": [load0, os.getloadavg()]}
+    cache.write_text(json.dumps(rep))
+    return dict(rep)
+
+
+def held_out(run: Path) -> dict[str, Any]:
+    """Held-out metrics of the exported (best) checkpoint: tau_sim over the trained depths and over the
+    first 4 (comparable across K), per-depth accuracy."""
+    best: dict[str, Any] = {}
+    if not (run / "progress.jsonl").exists():
+        return best
+    for line in (run / "progress.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "checkpoint" and rec.get("is_best"):
+            best = {"step": rec["step"], **rec.get("metrics", {})}
+    accs = [best[f"eval_acc_{d}"] for d in range(32) if f"eval_acc_{d}" in best]
+    tau4, prod = 0.0, 1.0
+    for a in accs[:SERVE_K]:
+        prod *= a
+        tau4 += prod
+    return {"step": best.get("step"), "tau_sim": best.get("eval_tau_sim"), "tau_sim_k4": round(tau4, 4) if accs
+            else None, "acc": [round(a, 4) for a in accs]}
+
+
+def row(name: str, run: Path) -> dict[str, Any]:
+    knob, value, _ = VARIANTS.get(name, (name, None, {}))
+    ev = measure(run)
+    facts = json.loads((run / "bench_train.json").read_text()) if (run / "bench_train.json").exists() else {}
+    return {
+        "knob": knob,
+        "value": value,
+        "run": str(run.relative_to(ROOT)),
+        "al": ev.get("acceptance_length"),
+        "per_position": [round(x, 4) for x in ev.get("per_position") or []],
+        "num_drafts": ev.get("num_drafts"),
+        "held_out": held_out(run),
+        "train_wall_seconds": facts.get("train_wall_seconds"),
+        "train_load_average": facts.get("load_average"),
+        "eval_load_average": (ev.get("bench") or {}).get("load_average"),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated names, or all")
+    ap.add_argument("--list", action="store_true", help="print the variants and exit")
+    args = ap.parse_args()
+    if args.list:
+        for name, (knob, value, over) in VARIANTS.items():
+            print(f"{name:14s} {knob} = {value}  {over}")
+        return 0
+    from peagle.engine.locate import vllm_python
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if vllm_python() is None:
+        (RESULTS / "method.json").write_text(json.dumps({"skipped": "no vLLM venv (make vllm-env)"}))
+        print("skipped: no vLLM venv (make vllm-env)")
+        return 0
+    names = list(VARIANTS) if args.variants == "all" else [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; --list shows them")
+    specs = {n: variant_spec(VARIANTS[n][2]) for n in VARIANTS if n != "peer"}
+    baseline = train("baseline", specs["baseline"])  # first: it prepares the data when there is none
+    for name in names:
+        run = train_peer(baseline) if name == "peer" else train(name, specs[name])
+        measure(run)
+
+    rows: dict[str, Any] = {}  # every variant measured so far, in VARIANTS order, one row per run
+    first: dict[Path, str] = {}
+    for name in VARIANTS:
+        run = RUNS / ("peer" if name == "peer" else spec_hash(specs[name]))
+        if run in first:  # the same spec as an earlier variant (e.g. the preset's own value)
+            rows[first[run]].setdefault("same_as", []).append(name)
+        elif (run / f"al_vllm_k{SERVE_K}_{NUM_PROMPTS}x{MAX_NEW_TOKENS}.json").exists():
+            rows[name], first[run] = row(name, run), name
+    base_al = rows["baseline"]["al"]
+    for r in rows.values():
+        r["ratio"] = round(r["al"] / base_al, 4) if r["al"] and base_al else None
+    report: dict[str, Any] = {
+        "settings": {"prompts": "humaneval", "num_prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,
+                     "num_speculative_tokens": SERVE_K, "engine": "vllm", "data": str(DATA.relative_to(ROOT)),
+                     "cpu_count": os.cpu_count()},
+        "variants": rows,
+        "demo_al": {"al": base_al, "ratio": round(base_al / TARGET_AL, 4) if base_al else None,
+                    "target": f">= 1 (AL >= {TARGET_AL})", "pass": bool(base_al and base_al >= TARGET_AL)},
+    }
+    if "peer" in rows and rows["peer"]["al"] and base_al:
+        ratio = base_al / rows["peer"]["al"]
+        report["ours_vs_peer"] = {"al": base_al, "peer_al": rows["peer"]["al"], "ratio": round(ratio, 4),
+                                  "target": f">= {TARGET_VS_PEER}", "pass": ratio >= TARGET_VS_PEER}
+    (RESULTS / "method.json").write_text(json.dumps(report, indent=1))
+    print(f"{'variant':14s} {'knob':42s} {'value':>8s} {'AL':>7s} {'ratio':>7s} {'tau4':>7s}  per-position")
+    for name, r in rows.items():
+        print(f"{name:14s} {r['knob'][:42]:42s} {r['value']!s:>8s} {r['al'] or 0:7.4f} {r['ratio'] or 0:7.4f} "
+              f"{r['held_out'].get('tau_sim_k4') or 0:7.4f}  {r['per_position']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
