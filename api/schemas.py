@@ -281,6 +281,9 @@ class SpeedupRow(BaseModel):
     per_position: list[float] = Field(default_factory=list)
     base_tokens: int | None = None
     spec_tokens: int | None = None
+    speedup_cpu_time: float | None = Field(default=None, description="The same ratio by CPU time of the engine "
+                                           "processes (steadier than wall time on a shared CPU machine; "
+                                           "meaningless on a GPU).")
 
 
 class Recommendation(BaseModel):

@@ -42,6 +42,9 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="also K = 1..K-1 and the recommended K per batch size")
     p.add_argument("--batch-size", type=int, action="append", default=[], help="another batch size to time")
     p.add_argument("--engines", default="auto", choices=("auto", "both", "alternate"))
+    p.add_argument("--calibrate", action="store_true",
+                   help="A/A: time the verifier against itself (every ratio should be 1; shows the method's "
+                        "bias and noise on this machine); writes speedup_calibration.json")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -66,11 +69,27 @@ def main() -> int:
     prompts = tokenize_prompts(tok, load_prompts("humaneval", args.num_prompts))
     base = plan_speedup(k, len(prompts), sweep=args.sweep, batch_sizes=args.batch_size, rounds=args.rounds)
     plan = SpeedupPlan(ks=base.ks, batch_sizes=base.batch_sizes, rounds=base.rounds, num_prompts=base.num_prompts,
-                       engines=args.engines)
+                       engines=args.engines, calibrate=args.calibrate)
     t0 = time.time()
     res = measure_vllm(export, {"humaneval": prompts}, max_new_tokens=args.max_new_tokens, num_speculative_tokens=k,
                        speedup=plan, verifier=verifier)  # fmt: skip
     serving = res["serving"]
+    if args.calibrate:
+        rows = {f"aa_batch_{r['batch_size']}": {"ratio": r["speedup"], "target": "0.95..1.05",
+                                                "pass": abs(r["speedup"] - 1) <= 0.05,
+                                                "per_round": r["speedup_per_round"],
+                                                "by_cpu_time": r.get("speedup_cpu_time"),
+                                                "tokens_per_s": [r["base_tokens_per_s"], r["spec_tokens_per_s"]]}
+                for r in serving["table"]}  # fmt: skip
+        for key, row in rows.items():
+            print(f"{key}: A/A ratio {row['ratio']:.3f} (rounds {[round(x, 3) for x in row['per_round']]}; by CPU "
+                  f"time {row['by_cpu_time']})", flush=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "speedup_calibration.json").write_text(json.dumps(
+            {**rows, "hardware": serving["hardware"], "engines": serving["engines"],
+             "settings": {"num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds}},
+            indent=2))
+        return 0
     al = serving["acceptance_length"]
     summary: dict = {
         "settings": {"export": str(export), "prompts": "humaneval", "num_prompts": len(prompts),
@@ -79,7 +98,8 @@ def main() -> int:
         "hardware": serving["hardware"], "vllm_version": serving["vllm_version"],
         "acceptance_length": al, "al_humaneval_batch": res["prompt_sets"]["humaneval"]["acceptance_length"],
         "table": [{key: r[key] for key in ("num_speculative_tokens", "batch_size", "speedup", "speedup_per_round",
-                                            "base_tokens_per_s", "spec_tokens_per_s", "acceptance_length")}
+                                            "speedup_cpu_time", "base_tokens_per_s", "spec_tokens_per_s",
+                                            "acceptance_length")}
                   for r in serving["table"]],
         "recommended": serving["recommended"], "outputs_identical": serving.get("outputs_identical"),
         "wall_seconds": round(time.time() - t0, 1),
@@ -88,7 +108,8 @@ def main() -> int:
         if row is None:
             continue
         entry = {"ratio": row["speedup"], "al": row["acceptance_length"], "batch_size": row["batch_size"],
-                 "base_tokens_per_s": row["base_tokens_per_s"], "spec_tokens_per_s": row["spec_tokens_per_s"]}
+                 "base_tokens_per_s": row["base_tokens_per_s"], "spec_tokens_per_s": row["spec_tokens_per_s"],
+                 "per_round": row["speedup_per_round"], "by_cpu_time": row.get("speedup_cpu_time")}
         if key == "speedup_batch_1":
             entry.update(target=f">= {TARGET_BATCH_1}", **{"pass": row["speedup"] >= TARGET_BATCH_1})
         summary[key] = entry

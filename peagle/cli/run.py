@@ -387,9 +387,10 @@ def eval_cmd(
                    f"{hw.get('gpu') or hw.get('cpu')} ({hw.get('cpu_count')} CPUs), {serving.get('rounds')} rounds, "
                    f"AL {serving.get('acceptance_length')}:")  # fmt: skip
         for row in serving.get("table") or []:
+            cpu = row.get("speedup_cpu_time")
             typer.echo(f"  K={row['num_speculative_tokens']} batch {row['batch_size']}: "
                        f"{row['base_tokens_per_s']:.1f} -> {row['spec_tokens_per_s']:.1f} tokens/s, "
-                       f"{speedup_text(row['speedup'])}")  # fmt: skip
+                       f"{speedup_text(row['speedup'])}" + (f" (by CPU time {cpu:.2f}x)" if cpu else ""))  # fmt: skip
         for rec in serving.get("recommended") or []:
             k_rec = rec["num_speculative_tokens"]
             typer.echo(f"  recommended at batch {rec['batch_size']}: "

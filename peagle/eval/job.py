@@ -172,9 +172,11 @@ def _vllm_al_of_draft(
     from peagle.eval.serve_check import run_vllm_probe
     from peagle.export.writer import export_draft
 
+    local = Path(target_path)
+    name = str(local.resolve()) if local.is_dir() else str(target_path)  # a folder, or a hub id as given
     with tempfile.TemporaryDirectory(prefix="peagle-al-") as tmp:
-        out = export_draft(draft, Path(tmp) / "export", num_speculative_tokens=k,
-                           verifier_name_or_path=str(Path(target_path).resolve()), verifier_architectures=arch)
+        out = export_draft(draft, Path(tmp) / "export", num_speculative_tokens=k, verifier_name_or_path=name,
+                           verifier_architectures=arch)
         res = run_vllm_probe(out, prompts, max_new_tokens=max_new, num_speculative_tokens=k, verifier=target_path)
     return res.get("acceptance_length"), list(res.get("per_position") or [])
 

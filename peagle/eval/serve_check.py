@@ -121,6 +121,7 @@ def run_probe(
             "al": {"max_new_tokens": max_new_tokens, "sets": [{"name": n, "prompts": p} for n, p in sets.items()]}
             if sets else None,
             "speedup": timed,
+            "calibrate": bool(speedup is not None and speedup.calibrate),
         }
         plan_file, out_file = Path(tmp) / "plan.json", Path(tmp) / "result.json"
         plan_file.write_text(json.dumps(plan), encoding="utf-8")

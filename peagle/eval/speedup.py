@@ -13,8 +13,9 @@ Worked example: three rounds, base 30, 20, 29 tokens/s (round 2 disturbed by ano
 33, 22, 29: ratios 1.10, 1.10, 1.00, speedup 1.10. The ratio of the medians (29 / 29 = 1.00) would let
 the disturbed round decide; the pairing does not.
 
-Recommendation per batch size: the K with the highest speedup (the smaller K on a tie); when no K is
-faster than the verifier alone (speedup <= 1), the draft is not recommended at that batch size
+Recommendation per batch size: among the K faster than the verifier alone in EVERY round (median and
+slowest round above 1: a gain the noise of one round cannot make), the one with the highest speedup (the
+smaller K on a tie); when there is none, the draft is not recommended at that batch size
 (`num_speculative_tokens: 0`). A speedup below 1 is a slowdown and is said so (`speedup_text`).
 
 Pure and torch-free (the API and the bench import it).
@@ -35,13 +36,16 @@ __all__ = ["SpeedupPlan", "plan_speedup", "recommend", "speculative_config", "sp
 @dataclass(frozen=True)
 class SpeedupPlan:
     """What to measure: every K of `ks` at every batch size, `rounds` rounds, on the first `num_prompts`
-    prompts (None = all given); `engines` as the probe takes it (`auto`, `both`, `alternate`)."""
+    prompts (None = all given); `engines` as the probe takes it (`auto`, `both`, `alternate`); `calibrate`
+    measures the verifier against itself instead (every speedup should then be 1)."""
 
     ks: list[int]
     batch_sizes: list[int]
     rounds: int = 3
     num_prompts: int | None = None
     engines: str = "auto"
+    #: A/A calibration: both sides are the verifier alone (the method's own bias and noise on a machine)
+    calibrate: bool = False
 
     def for_probe(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict[str, Any]:
         """The probe plan's `speedup` part."""
@@ -72,8 +76,9 @@ def speedup_text(speedup: float | None) -> str:
     return f"{speedup:.2f}x ({1.0 / speedup:.2f}x slower)"
 
 
-def _tps(p: Mapping[str, Any]) -> float:
-    return float(p["tokens"]) / float(p["seconds"]) if float(p["seconds"]) > 0 else 0.0
+def _tps(p: Mapping[str, Any], key: str = "seconds") -> float:
+    secs = float(p.get(key) or 0.0)
+    return float(p["tokens"]) / secs if secs > 0 else 0.0
 
 
 def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -86,7 +91,9 @@ def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
     Returns:
         Rows `{"num_speculative_tokens", "batch_size", "rounds", "speedup", "speedup_text", "speedup_per_round",
         "base_tokens_per_s", "spec_tokens_per_s" (medians over rounds), "acceptance_length",
-        "per_position", "base_tokens", "spec_tokens"}`; a (K, batch) whose rounds lack a side is left out.
+        "per_position", "base_tokens", "spec_tokens", "speedup_cpu_time" (the median paired ratio of tokens
+        per CPU-second of the engine processes, None without CPU times)}`; a (K, batch) whose rounds lack a
+        side is left out.
     """
     cells: dict[tuple[int, int], dict[int, dict[str, Mapping[str, Any]]]] = {}
     for p in passes:
@@ -100,6 +107,10 @@ def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
         hists = [q["histogram"] for _, _, spec in paired for q in spec.get("requests") or []
                  if q.get("histogram") is not None]  # fmt: skip
         acc = compute_acceptance(hists)
+        # the same ratio by CPU time of the engine processes: steadier than wall time on a shared machine
+        # (it leaves out time waiting for other work), meaningless on a GPU (the CPU waits for the device)
+        cpu = [_tps(spec, "cpu_seconds") / _tps(base, "cpu_seconds") for _, base, spec in paired
+               if _tps(base, "cpu_seconds") > 0 and _tps(spec, "cpu_seconds") > 0]
         rows.append({
             "num_speculative_tokens": k, "batch_size": b, "rounds": len(paired),
             "speedup": median(ratios), "speedup_text": speedup_text(median(ratios)), "speedup_per_round": ratios,
@@ -108,21 +119,31 @@ def summarize_speedup(passes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
             "base_tokens": sum(int(base["tokens"]) for _, base, _ in paired),
             "spec_tokens": sum(int(spec["tokens"]) for _, _, spec in paired),
             "acceptance_length": acc.acceptance_length, "per_position": acc.per_position,
+            "speedup_cpu_time": median(cpu) if cpu else None,
         })  # fmt: skip
     return rows
 
 
+def _gains(row: Mapping[str, Any]) -> bool:
+    """Faster than the verifier alone in every round (so not by the noise of one): the median and the
+    slowest round above 1."""
+    per_round = [float(x) for x in row.get("speedup_per_round") or [row["speedup"]]]
+    return float(row["speedup"]) > 1.0 and min(per_round) > 1.0
+
+
 def recommend(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Best K per batch size: `{"batch_size", "num_speculative_tokens" (0 = serve without the draft),
-    "speedup" (of that K; the best measured one when 0)}`, by batch size."""
+    "speedup" (of that K; of the best measured one when 0), "best_measured_k"}`, by batch size. Only a K
+    faster in every round counts (`_gains`); the fastest of those (by median) is recommended."""
     out = []
     for b in sorted({int(r["batch_size"]) for r in rows}):
         cands = sorted((r for r in rows if int(r["batch_size"]) == b),
                        key=lambda r: (-float(r["speedup"]), int(r["num_speculative_tokens"])))  # fmt: skip
         best = cands[0]
-        k = int(best["num_speculative_tokens"]) if float(best["speedup"]) > 1.0 else 0
-        out.append({"batch_size": b, "num_speculative_tokens": k, "speedup": float(best["speedup"]),
-                    "best_measured_k": int(best["num_speculative_tokens"])})
+        gaining = [r for r in cands if _gains(r)]
+        pick = gaining[0] if gaining else best
+        out.append({"batch_size": b, "num_speculative_tokens": int(pick["num_speculative_tokens"]) if gaining else 0,
+                    "speedup": float(pick["speedup"]), "best_measured_k": int(best["num_speculative_tokens"])})
     return out
 
 

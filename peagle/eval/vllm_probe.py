@@ -23,10 +23,14 @@ What it does:
    (batch b = the requests in groups of b, one `generate` call per group; the prompts are cycled so that
    every group is full). Both engines generate each group back to back, the order alternating from group
    to group and from round to round, so load from elsewhere on the machine hits both sides alike; every
-   engine runs one short warm-up pass per batch size after it is loaded. `engines`: `both` keeps the two engines
-   loaded in this process (measured: two SmolLM2-135M CPU engines, 2 GiB KV cache each, 5.8 GB RSS),
-   `alternate` loads one at a time (a reload at every switch), `auto` keeps both when the memory left
-   after the first engine holds a second one. Prefix caching is off, so every pass prefills its prompts.
+   engine runs one short warm-up pass per batch size after it is loaded. `engines`: `both` keeps the two
+   engines loaded side by side (two SmolLM2-135M CPU engines with a 2 GiB KV cache each: about 5.8 GB
+   RSS), `alternate` loads one at a time (a reload at every switch), `auto` keeps both when the memory
+   available holds two. Prefix caching is off, so every pass prefills its prompts.
+   Each engine runs in a child process of its own (`--serve`, `_Remote`): two engines in one process
+   share one OpenMP runtime and thread binding, and an A/A run there (the verifier against itself) came
+   out at 0.49 at batch 8. `calibrate: true` in the plan makes such an A/A run: both sides the verifier
+   alone, to see the method's own bias and noise on a machine.
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ from typing import Any
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--plan", required=True, help="JSON plan written by peagle.eval.serve_check.run_probe")
-    p.add_argument("--out", required=True, help="where to write the JSON result")
+    p.add_argument("--out", help="where to write the JSON result")
+    p.add_argument("--serve", choices=("base", "spec"), help="(internal) hold one engine, answer on --reply-fd")
+    p.add_argument("--k", type=int, default=0, help="(internal, --serve spec) K of the draft engine")
+    p.add_argument("--reply-fd", type=int, default=-1, help="(internal) file descriptor for the answers")
     return p.parse_args(argv)
 
 
@@ -130,6 +137,8 @@ class _Engines:
     def make(self, k: int | None, *, spec: bool) -> Any:
         from vllm import LLM
 
+        if spec and self.plan.get("calibrate"):  # A/A: the "draft" side is the verifier alone too
+            spec = False
         kwargs: dict[str, Any] = {
             "model": self.plan["model"] if spec else self.plan["verifier"],
             "dtype": "bfloat16", "enforce_eager": True, "max_model_len": int(self.plan["max_model_len"]),
@@ -147,6 +156,10 @@ class _Engines:
         """Parallel drafting really on (step 2 of the module docstring)."""
         import torch
         from safetensors.torch import load_file
+
+        if self.plan.get("calibrate"):
+            return {"speculative_config": None, "mask_hidden_loaded": None, "problems": [],
+                    "calibration": "A/A: both sides are the verifier alone"}
 
         sc = llm.llm_engine.vllm_config.speculative_config
         dmc = getattr(sc, "draft_model_config", None)
@@ -206,34 +219,29 @@ def _batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
     return [reqs[i : i + b] for i in range(0, total, b)]
 
 
-def _timed_pass(llm: Any, prompts: list[list[int]], b: int, max_tokens: int) -> dict[str, Any]:
-    """One side over every group of a batch size (the warm-up, and the alternate-engines mode)."""
-    acc = _Timed()
-    for group in _batches(prompts, b):
-        acc.add(llm, group, max_tokens)
-    return acc.result()
-
-
 class _Timed:
     """Seconds, tokens and per-request results of one side's generate calls, added up."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.results: list[Any] = []
+        self.seconds = self.cpu_seconds = 0.0
+        self.requests: list[dict[str, Any]] = []
+        self.outputs: list[list[int]] = []
 
-    def add(self, llm: Any, group: list[list[int]], max_tokens: int) -> None:
-        t0 = time.perf_counter()
-        res = _generate(llm, group, max_tokens)
-        self.seconds += time.perf_counter() - t0
-        self.results.extend(res)
+    def add(self, answer: dict[str, Any]) -> None:
+        self.seconds += float(answer["seconds"])
+        self.cpu_seconds += float(answer.get("cpu_seconds") or 0.0)
+        self.requests.extend(answer["requests"])
+        self.outputs.extend(answer["outputs"])
 
     def result(self) -> dict[str, Any]:
-        return {
-            "seconds": self.seconds,
-            "tokens": sum(len(r.outputs[0].token_ids) for r in self.results),
-            "requests": [_request(r) for r in self.results],
-            "outputs": [list(r.outputs[0].token_ids) for r in self.results],
-        }
+        return {"seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
+                "tokens": sum(int(r["tokens"]) for r in self.requests), "requests": self.requests,
+                "outputs": self.outputs}
+
+
+#: Seconds between two timed calls: the engine that just finished lets its OpenMP threads stop spinning
+#: (KMP_BLOCKTIME, 200 ms) before the other one starts, so neither side pays for the other.
+SETTLE_S = 0.3
 
 
 def _interleaved(load: Any, k: int, prompts: list[list[int]], b: int, max_tokens: int, r: int, *,
@@ -247,14 +255,93 @@ def _interleaved(load: Any, k: int, prompts: list[list[int]], b: int, max_tokens
     groups = _batches(prompts, b)
     if whole_pass:
         for side in order:
-            llm = load(side, k)
+            engine = load(side, k)
             for group in groups:
-                timed[side].add(llm, group, max_tokens)
+                time.sleep(SETTLE_S)
+                timed[side].add(engine.generate(group, max_tokens))
     else:
         for i, group in enumerate(groups):
             for side in order if i % 2 == 0 else order[::-1]:
-                timed[side].add(load(side, k), group, max_tokens)
+                engine = load(side, k)
+                time.sleep(SETTLE_S)
+                timed[side].add(engine.generate(group, max_tokens))
     return {side: t.result() for side, t in timed.items()}
+
+
+class _Remote:
+    """One engine in a child process of its own (`--serve base|spec`): its own OpenMP runtime and thread
+    binding, so the two engines of a speedup measurement never share them (measured: two engines in ONE
+    process made the first one 2-3x slower at batch 8 than an identical second one, an A/A ratio of 0.49).
+    `generate` sends a group of prompts on the child's stdin; the child times its own `llm.generate` and
+    answers on a dedicated pipe (vLLM's logs go to the probe's log)."""
+
+    def __init__(self, plan_file: str, side: str, k: int | None) -> None:
+        import subprocess
+
+        read_fd, write_fd = os.pipe()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--plan", plan_file, "--serve", side,
+               "--k", str(k or 0), "--reply-fd", str(write_fd)]
+        env = dict(os.environ)
+        # The threads `vllm serve`'s worker computes with on a CPU: all usable CPUs but one, kept for its
+        # scheduler process (an in-process engine would drop to one thread).
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable - 1)))
+        env.setdefault("KMP_BLOCKTIME", "5")  # as vLLM sets it for its CPU workers (ms of spinning after work)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(write_fd,), text=True, env=env)
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r", encoding="utf-8")
+        self.ready = self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        line = self.replies.readline()
+        if not line:
+            code = self.proc.wait(timeout=60)
+            raise RuntimeError(f"the engine process exited ({code}) before answering: see the log above")
+        return dict(json.loads(line))
+
+    def generate(self, group: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": group, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        import subprocess
+
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.replies.close()
+
+
+def _serve(args: argparse.Namespace, plan: dict[str, Any], engines: _Engines) -> int:
+    """`--serve`: load one engine, say so (with the parallel-drafting check of a draft engine), then answer
+    `generate` requests with the seconds of `llm.generate` and its per-request results until `quit`."""
+    reply = os.fdopen(args.reply_fd, "w", encoding="utf-8")
+    rss0 = _rss_gb() or 0.0
+    t0 = time.perf_counter()
+    llm = engines.make(args.k or None, spec=args.serve == "spec")
+    ready: dict[str, Any] = {"load_seconds": round(time.perf_counter() - t0, 2), "footprint_gb": (_rss_gb() or 0.0) - rss0}
+    if args.serve == "spec":
+        ready["check"] = engines.check(llm)
+    reply.write(json.dumps(ready) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") != "generate":
+            break
+        t1, c1 = time.perf_counter(), time.process_time()
+        res = _generate(llm, cmd["prompts"], int(cmd["max_tokens"]))
+        seconds, cpu_seconds = time.perf_counter() - t1, time.process_time() - c1
+        reply.write(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "requests": [_request(r) for r in res],
+                                "outputs": [list(r.outputs[0].token_ids) for r in res]}) + "\n")
+        reply.flush()
+    return 0
 
 
 def _run_al(llm: Any, al: dict[str, Any]) -> list[dict[str, Any]]:
@@ -273,114 +360,113 @@ def _run_al(llm: Any, al: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _engine_mode(engines: _Engines, mode: str, footprint_gb: float) -> tuple[str, str]:
-    """`both` or `alternate` for `mode` (auto: both when a second engine fits beside the loaded one)."""
+    """`both` or `alternate` for `mode` (auto: both when two engines fit side by side)."""
     if mode != "auto":
         return mode, f"engines: {mode} (asked)"
     if engines.device == "cuda":
         import torch
 
         free, total = torch.cuda.mem_get_info()
-        fits = free >= (engines.gpu_util + 0.05) * total
+        fits = free >= 2 * (engines.gpu_util + 0.05) * total
         return ("both" if fits else "alternate"), f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB GPU memory free"
     avail = _mem_available_gb()
     if avail is None:
         return "alternate", "memory available unknown"
-    fits = avail >= 1.5 * max(footprint_gb, 1.0) + 1.0
+    fits = avail >= 2 * 1.2 * max(footprint_gb, 1.0) + 1.0
     return ("both" if fits else "alternate"), (
-        f"the draft engine took {footprint_gb:.1f} GB RSS, {avail:.1f} GB available beside it")
+        f"an engine takes {footprint_gb:.1f} GB RSS, {avail:.1f} GB available for two")
 
 
-def _run_speedup(engines: _Engines, sp: dict[str, Any], state: dict[str, Any], footprint_gb: float) -> dict[str, Any]:
-    """Step 4 of the module docstring; `state["main"]` (the draft engine at `state["main_k"]`) is reused
-    for that K (and dropped when it is no longer needed)."""
+def _run_speedup(engines: _Engines, sp: dict[str, Any], plan_file: str, footprint_gb: float) -> dict[str, Any]:
+    """Step 4 of the module docstring: the verifier alone and the draft engine at each K, each in a child
+    process of its own (`_Remote`), loaded side by side (`both`) or one at a time (`alternate`)."""
     prompts, max_tokens = sp["prompts"], int(sp["max_new_tokens"])
     sizes, rounds = [int(b) for b in sp["batch_sizes"]], int(sp["rounds"])
-    main_k = state.get("main_k")
-    ks = sorted({int(k) for k in sp["ks"]}, key=lambda k: (k != main_k, k))  # the loaded engine's K first
+    ks = sorted({int(k) for k in sp["ks"]})
     mode, reason = _engine_mode(engines, str(sp.get("engines", "auto")), footprint_gb)
     out: dict[str, Any] = {"engines": mode, "engines_reason": reason, "passes": [], "checks": {},
                            "outputs_identical": {}, "load_seconds": {}}
-    loaded: dict[str, Any] = {}
-    if mode == "alternate" or main_k not in ks:
-        state.pop("main", None)
-        gc.collect()
+    loaded: dict[str, _Remote] = {}
 
-    def load(side: str, k: int) -> Any:
+    def drop(side: str) -> None:
+        if side in loaded:
+            loaded.pop(side).close()
+
+    def load(side: str, k: int) -> _Remote:
         if side in loaded:
             return loaded[side]
         if mode == "alternate":
-            loaded.clear()
-            gc.collect()
-        t0 = time.perf_counter()
-        reuse = side == "spec" and k == main_k and "main" in state
-        llm = state.pop("main") if reuse else engines.make(k if side == "spec" else None, spec=side == "spec")
-        name = f"spec_k{k}" if side == "spec" else "base"
-        out["load_seconds"].setdefault(name, []).append(0.0 if reuse else round(time.perf_counter() - t0, 2))
+            for other in list(loaded):
+                drop(other)
+        engine = _Remote(plan_file, side, k if side == "spec" else None)
+        out["load_seconds"].setdefault(f"spec_k{k}" if side == "spec" else "base", []).append(
+            engine.ready["load_seconds"])
         if side == "spec" and str(k) not in out["checks"]:
-            out["checks"][str(k)] = engines.check(llm)
+            out["checks"][str(k)] = engine.ready["check"]
         for b in sizes:  # warm-up: kernels of every batch shape, not timed
-            _timed_pass(llm, prompts[:b], b, min(8, max_tokens))
-        loaded[side] = llm
-        return llm
+            for group in _batches(prompts[:b], b):
+                engine.generate(group, min(8, max_tokens))
+        loaded[side] = engine
+        return engine
 
-    for k in ks:
-        if "spec" in loaded:  # the previous K's draft engine
-            del loaded["spec"]
-            gc.collect()
-            # An in-process engine's shutdown destroys vLLM's global parallel groups, which the engine still
-            # loaded also uses; creating the next engine first sets them up again.
-            load("spec", k)
-        first: dict[tuple[str, int], list[list[int]]] = {}
-        for r in range(rounds):
-            for b in sizes:
-                timed = _interleaved(load, k, prompts, b, max_tokens, r, whole_pass=mode == "alternate")
-                for side, p in timed.items():
-                    if r == 0:
-                        first[(side, b)] = p["outputs"]
-                    out["passes"].append({"k": k, "batch_size": b, "round": r, "side": side,
-                                          "seconds": round(p["seconds"], 4), "tokens": p["tokens"],
-                                          "requests": p["requests"] if side == "spec" else []})
-        out["outputs_identical"][str(k)] = {
-            str(b): [x == y for x, y in zip(first[("base", b)], first[("spec", b)], strict=False)].count(True)
-            for b in sizes}
-    loaded.clear()
-    gc.collect()
+    try:
+        for k in ks:
+            drop("spec")  # the previous K's draft engine
+            first: dict[tuple[str, int], list[list[int]]] = {}
+            for r in range(rounds):
+                for b in sizes:
+                    timed = _interleaved(load, k, prompts, b, max_tokens, r, whole_pass=mode == "alternate")
+                    for side, p in timed.items():
+                        if r == 0:
+                            first[(side, b)] = p["outputs"]
+                        out["passes"].append({"k": k, "batch_size": b, "round": r, "side": side,
+                                              "seconds": round(p["seconds"], 4),
+                                              "cpu_seconds": round(p["cpu_seconds"], 4), "tokens": p["tokens"],
+                                              "requests": p["requests"] if side == "spec" else []})
+            out["outputs_identical"][str(k)] = {
+                str(b): [x == y for x, y in zip(first[("base", b)], first[("spec", b)], strict=False)].count(True)
+                for b in sizes}
+    finally:
+        for side in list(loaded):
+            drop(side)
     return out
 
 
 def main(argv: list[str]) -> int:
     args = _parse_args(argv)
-    # In-process engines: the probe inspects the drafter module directly (mask_hidden really loaded), and a
-    # second engine (the verifier alone) can live beside the first.
+    # In-process engine: the probe inspects the drafter module directly (mask_hidden really loaded).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
     import torch
-    from vllm import __version__ as vllm_version
 
     plan = json.loads(Path(args.plan).read_text(encoding="utf-8"))
     device = plan.get("device", "auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     engines = _Engines(plan, device)
+    if args.serve:
+        return _serve(args, plan, engines)
+    from vllm import __version__ as vllm_version
+
     result: dict[str, Any] = {"engine": "vllm", "vllm_version": vllm_version, "device": device,
                               "hardware": _hardware(device)}
-    k = plan.get("num_speculative_tokens")
     rss0 = _rss_gb() or 0.0
     t0 = time.perf_counter()
-    state: dict[str, Any] = {"main": engines.make(k, spec=True)}
+    llm = engines.make(plan.get("num_speculative_tokens"), spec=True)
     result["load_seconds"] = round(time.perf_counter() - t0, 2)
     footprint = (_rss_gb() or 0.0) - rss0
-    check = engines.check(state["main"])
+    check = engines.check(llm)
     result.update(check)
     result["parallel_drafting_ok"] = not check["problems"]
-    state["main_k"] = check["speculative_config"]["num_speculative_tokens"]
     if plan.get("al"):
-        result["al"] = {"max_new_tokens": plan["al"]["max_new_tokens"], "sets": _run_al(state["main"], plan["al"])}
+        result["al"] = {"max_new_tokens": plan["al"]["max_new_tokens"], "sets": _run_al(llm, plan["al"])}
+    del llm  # the speedup's engines run in processes of their own
+    gc.collect()
     if plan.get("speedup"):
-        result["speedup"] = _run_speedup(engines, plan["speedup"], state, footprint)
+        result["speedup"] = _run_speedup(engines, plan["speedup"], args.plan, footprint)
     result["hardware"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     Path(args.out).write_text(json.dumps(result), encoding="utf-8")
     return 0 if not check["problems"] else 3

@@ -28,6 +28,13 @@ def test_worked_example_of_the_docstring_is_the_paired_median() -> None:
     assert row["speedup_text"] == "1.10x faster"
 
 
+def test_cpu_time_ratio_is_reported_beside_the_wall_time_one() -> None:
+    passes = [{**_pass(2, 1, 0, "base", 30), "cpu_seconds": 2.0}, {**_pass(2, 1, 0, "spec", 15), "cpu_seconds": 2.5}]
+    (row,) = summarize_speedup(passes)
+    assert row["speedup"] == pytest.approx(0.5) and row["speedup_cpu_time"] == pytest.approx(0.8)
+    assert summarize_speedup([_pass(2, 1, 0, "base", 30), _pass(2, 1, 0, "spec", 15)])[0]["speedup_cpu_time"] is None
+
+
 def test_a_round_missing_a_side_is_not_paired() -> None:
     rows = summarize_speedup([_pass(2, 8, 0, "base", 100), _pass(2, 8, 0, "spec", 50), _pass(2, 8, 1, "base", 90)])
     assert rows[0]["rounds"] == 1 and rows[0]["speedup"] == pytest.approx(0.5)
@@ -49,6 +56,13 @@ def test_recommendation_per_batch_size() -> None:
                    {"batch_size": 8, "num_speculative_tokens": 0, "speedup": 0.9, "best_measured_k": 1}]
     cfg = speculative_config("./d", rec, 3)
     assert cfg == {"model": "./d", "method": "eagle3", "num_speculative_tokens": 2, "parallel_drafting": True}
+    # a median just above 1 with a slower round is noise, not a gain (the demo draft at batch 1: 1.0004)
+    noisy = [{"num_speculative_tokens": 4, "batch_size": 1, "speedup": 1.0004,
+              "speedup_per_round": [1.003, 0.99, 1.0004]}]
+    assert recommend(noisy) == [{"batch_size": 1, "num_speculative_tokens": 0, "speedup": 1.0004,
+                                 "best_measured_k": 4}]
+    steady = [{**noisy[0], "num_speculative_tokens": 1, "speedup": 1.01, "speedup_per_round": [1.01, 1.02, 1.005]}]
+    assert recommend(noisy + steady)[0]["num_speculative_tokens"] == 1
     nowhere = [{"batch_size": 1, "num_speculative_tokens": 0, "speedup": 0.9}]
     assert speculative_config("./d", nowhere, 3) is None
     assert speculative_config("./d", [], 3)["num_speculative_tokens"] == 3  # not measured: the trained K
