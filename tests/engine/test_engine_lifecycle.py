@@ -19,22 +19,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def processes_mentioning(marker: str) -> list[int]:
-    """Live processes whose command line contains `marker` (zombies excluded)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z" and int(entry.name) != os.getpid():
-            out.append(int(entry.name))
-    return out
-
-
 def wait_until(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -54,7 +38,7 @@ time.sleep(3600)
 """
 
 
-def test_sigkill_of_the_starting_process_takes_the_whole_engine_down(smollm2_path, tmp_path):
+def test_sigkill_of_the_starting_process_takes_the_whole_engine_down(smollm2_path, tmp_path, processes_mentioning):
     """The trainer (here: a process that started an engine) dies by SIGKILL, as after a cancel past its grace
     or when the supervisor is killed: the guard sees it and kills every engine process."""
     from peagle.engine.locate import vllm_python
@@ -85,7 +69,7 @@ def test_sigkill_of_the_starting_process_takes_the_whole_engine_down(smollm2_pat
             os.killpg(starter.pid, signal.SIGKILL)
 
 
-def test_an_engine_that_cannot_load_the_target_fails_with_the_reason(tmp_path):
+def test_an_engine_that_cannot_load_the_target_fails_with_the_reason(tmp_path, processes_mentioning):
     from peagle.engine.locate import vllm_python
 
     if vllm_python() is None:
@@ -111,7 +95,7 @@ def test_no_vllm_is_a_clear_error(tmp_path, monkeypatch):
         VllmServer(EngineConfig(model="x"), log_path=tmp_path / "e.log").start()
 
 
-def test_guard_takes_the_group_down_when_its_parent_dies(tmp_path):
+def test_guard_takes_the_group_down_when_its_parent_dies(tmp_path, processes_mentioning):
     """The guard alone (no vLLM): a grandchild that ignores SIGTERM is SIGKILLed after the grace."""
     guard = REPO / "peagle" / "engine" / "guard.py"
     marker = f"peagle-guard-test-{os.getpid()}"
@@ -139,7 +123,7 @@ def test_guard_takes_the_group_down_when_its_parent_dies(tmp_path):
             parent.kill()
 
 
-def test_a_job_whose_target_vllm_cannot_run_fails_at_capture_with_the_reason(tmp_path, tiny_target_path):
+def test_a_job_whose_target_vllm_cannot_run_fails_at_capture_with_the_reason(tmp_path, tiny_target_path, processes_mentioning):
     """`peagle train` with the target in vLLM, on a model vLLM's CPU attention refuses (head_dim 16, found
     only at its first request): the job ends in its capturing phase, exit code 11 (engine_failed), the
     message names the command and quotes the engine's own reason, and no engine process is left."""

@@ -53,22 +53,7 @@ def vllm_spec(**over: Any) -> dict[str, Any]:
     return parse_spec(spec).model_dump(mode="json")
 
 
-def processes_mentioning(marker: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            out.append(int(entry.name))
-    return out
-
-
-def wait_gone(marker: str, timeout: float) -> None:
+def wait_gone(processes_mentioning, marker: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -79,7 +64,7 @@ def log_lines(stack: Any, job_id: str) -> list[str]:
     return [g.message for g in stack.rows(JobLog, job_id)]
 
 
-def test_whole_job_with_the_target_in_vllm(make_stack):
+def test_whole_job_with_the_target_in_vllm(make_stack, processes_mentioning):
     stack = make_stack("embedded", fake_trainer=False)
     stack.start_worker()
     job_id = stack.submit(vllm_spec())
@@ -103,10 +88,10 @@ def test_whole_job_with_the_target_in_vllm(make_stack):
     assert ev["engine"] == "vllm" and ev["parallel_drafting_ok"] is True, ev
     assert ev["num_speculative_tokens"] == 3 and ev["acceptance_length"] >= 1.0
     assert ev["serving"]["batch_1"]["speedup"] > 0 and ev["serving"]["hardware"]["device"] == "cpu"
-    wait_gone(str(run), 30)
+    wait_gone(processes_mentioning, str(run), 30)
 
 
-def _running_engine_job(stack: Any) -> tuple[str, Path]:
+def _running_engine_job(stack: Any, processes_mentioning: Any) -> tuple[str, Path]:
     """A long streaming job (the engine runs beside the trainer), once the engine is up and training runs."""
     spec = vllm_spec(optim={"max_steps": 5000, "epochs": 200}, checkpoints={"every_steps": 1000},
                      eval={"prompt_sets": [], "serve_check": False, "engine": "auto"},
@@ -121,7 +106,7 @@ def _running_engine_job(stack: Any) -> tuple[str, Path]:
     return job_id, run
 
 
-def test_pause_and_cancel_leave_no_engine_process(make_stack):
+def test_pause_and_cancel_leave_no_engine_process(make_stack, processes_mentioning):
     """Pause while the engine streams features beside the trainer: paused, nothing of the engine left;
     resume starts a new engine; cancel: cancelled, nothing left again."""
     from fastapi.testclient import TestClient
@@ -132,7 +117,7 @@ def test_pause_and_cancel_leave_no_engine_process(make_stack):
 
     stack = make_stack("embedded", fake_trainer=False)
     stack.start_worker()
-    job_id, run = _running_engine_job(stack)
+    job_id, run = _running_engine_job(stack, processes_mentioning)
     with session_scope(stack.factory) as s:
         _row, key = repo.create_key(s, "tests", ["read", "write"])
     auth = {"Authorization": f"Bearer {key}"}
@@ -140,7 +125,7 @@ def test_pause_and_cancel_leave_no_engine_process(make_stack):
         assert client.post(f"/v1/jobs/{job_id}/pause", headers=auth).status_code == 200
         job = stack.wait_status(job_id, "paused", "failed", "succeeded", "cancelled", timeout=120)
         assert job.status == "paused", (job.error_code, job.error_message, stack.logs())
-        wait_gone(str(run), 60)
+        wait_gone(processes_mentioning, str(run), 60)
         step = (job.progress or {}).get("step", 0)
         assert client.post(f"/v1/jobs/{job_id}/resume", headers=auth).status_code == 200
         stack.wait(job_id, lambda j: j.status == "running" and (j.progress or {}).get("step", 0) > step, 600,
@@ -149,13 +134,13 @@ def test_pause_and_cancel_leave_no_engine_process(make_stack):
         assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth).status_code == 200
     job = stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120)
     assert job.status == "cancelled", (job.error_code, job.error_message)
-    wait_gone(str(run), 60)
+    wait_gone(processes_mentioning, str(run), 60)
 
 
-def test_kill9_of_the_worker_leaves_no_engine_process(make_stack):
+def test_kill9_of_the_worker_leaves_no_engine_process(make_stack, processes_mentioning):
     stack = make_stack("embedded", fake_trainer=False)
     worker = stack.start_worker()
-    _job_id, run = _running_engine_job(stack)
+    _job_id, run = _running_engine_job(stack, processes_mentioning)
     os.killpg(worker.pid, signal.SIGKILL)  # the worker and its supervisor; the trainer dies with them
     worker.wait(timeout=10)
-    wait_gone(str(run), 60)
+    wait_gone(processes_mentioning, str(run), 60)
