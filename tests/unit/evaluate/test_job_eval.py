@@ -42,3 +42,35 @@ def test_a_checkpoint_keeps_no_per_request_lists() -> None:
     assert kept["prompt_sets"]["humaneval"] == {"acceptance_length": 1.2, "per_request_spread": {"median": 1.2},
                                                 "num_prompts": 2}
     assert kept["engine"] == "vllm" and kept["hardware"] == {"device": "cpu"}
+
+
+def test_a_failed_speedup_does_not_cost_the_al(tmp_path, smollm2_tokenizer, monkeypatch) -> None:
+    """The job's AL in vLLM is measured again without the speedup when the speedup run fails (a second
+    engine that does not fit, ...), with a warning naming why."""
+    import json
+
+    from peagle.errors import ResourceError
+    from peagle.eval.job import evaluate_export
+    from peagle.spec import parse_spec
+    from peagle.train.progress import RecordingSink
+
+    spec = parse_spec({"target": {"model": "builtin:smollm2-135m-instruct"},
+                       "data": {"sources": [{"path": "builtin:sharegpt"}]}, "peagle": {"num_depths": 2},
+                       "eval": {"engine": "vllm", "prompt_sets": [{"name": "humaneval", "num_prompts": 1}]}})
+    ckpt = tmp_path / "step_000004"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"metrics": {"tau_sim": 1.1}}))
+    calls = []
+
+    def fake_measure(export_dir, sets, *, speedup, **kw):
+        calls.append(speedup)
+        if speedup is not None:
+            raise ResourceError("vLLM probe failed (exit 1): out of memory")
+        return {"parallel_drafting_ok": True, "prompt_sets": {"humaneval": {"acceptance_length": 1.3}}, "serving": None}
+
+    monkeypatch.setattr("peagle.engine.locate.vllm_available", lambda: True)
+    monkeypatch.setattr("peagle.eval.serve_check.measure_vllm", fake_measure)
+    sink = RecordingSink()
+    out = evaluate_export(spec, ckpt, None, smollm2_tokenizer, 2, sink, target_path=tmp_path)
+    assert out["acceptance_length"] == 1.3 and out["serving"] is None and calls[0] is not None and calls[1] is None
+    assert any("serving speedup not measured: vLLM probe failed" in r.get("message", "") for r in sink.records)
