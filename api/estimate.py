@@ -72,6 +72,14 @@ REGEN_TOKENS_PER_S = {("vllm", "small", "cpu"): 400.0, ("hf", "small", "cpu"): 1
                       ("vllm", "tiny", "cuda"): 50_000.0, ("hf", "tiny", "cuda"): 5_000.0,
                       ("vllm", "large", "cuda"): 2_500.0, ("hf", "large", "cuda"): 150.0}
 ENGINE_START_SECONDS = {"cpu": 40.0, "cuda": 120.0}  # `vllm serve` to /health (SmolLM2 on 2 cores: ~35 s)
+# features captured per second through vLLM (small/cpu: the demo's 248k tokens at 924/s, load average 5-7)
+VLLM_CAPTURE_TOKENS_PER_S = {"tiny": {"cpu": 5_000.0, "cuda": 500_000.0}, "small": {"cpu": 1_500.0, "cuda": 200_000.0},
+                             "large": {"cpu": 10.0, "cuda": 30_000.0}}
+# tokens/s vLLM generates with the draft: one request at a time / a batch of all prompts (small/cpu: the demo
+# draft on SmolLM2, 55 and about 300 tokens/s, bench_speedup)
+VLLM_DECODE = {"tiny": {"cpu": (500.0, 2_000.0), "cuda": (1_000.0, 20_000.0)},
+               "small": {"cpu": (55.0, 300.0), "cuda": (400.0, 10_000.0)},
+               "large": {"cpu": (0.5, 2.0), "cuda": (80.0, 2_000.0)}}
 # regenerated tokens per training conversation: answers stop at max_new_tokens, and a conversation stops
 # regenerating once its prompt reaches data.max_length (about 1.5 answers of the demo's ShareGPT data).
 REGEN_TURNS_PER_CONVERSATION = 1.5
@@ -213,15 +221,45 @@ def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: 
         regenerating = new_tokens / (REGEN_TOKENS_PER_S[(engine, size, dev)] * gpus)
         regenerating += ENGINE_START_SECONDS[dev] if engine == "vllm" else 0.0
     if spec.resources.target_engine == "vllm":
-        capture += ENGINE_START_SECONDS[dev]
+        features = train_tokens if spec.resources.capture == "offline" else 0  # online: streamed in training
+        capture = ENGINE_START_SECONDS[dev] + features / (VLLM_CAPTURE_TOKENS_PER_S[size][dev] * gpus)
+    evaluating = generated / DECODE[(size, dev)]
+    if spec.eval.engine == "vllm":  # resolved: AL measured by vLLM, one engine start per measurement
+        evaluating, serve, training = _vllm_eval_seconds(spec, size, dev, steps, training, generated)
     return {
         "preparing_data": LOAD_SECONDS[size] + read * PREP_PER_CONVERSATION,
         "regenerating": regenerating,
         "capturing": capture,
         "training": training,
-        "evaluating": generated / DECODE[(size, dev)],
+        "evaluating": evaluating,
         "exporting": EXPORT_SECONDS + serve,
     }
+
+
+def _vllm_eval_seconds(spec: TrainSpec, size: str, dev: str, steps: int, training: float, generated: int
+                       ) -> tuple[float, float, float]:
+    """(evaluating, serve check, training incl. its AL measurements) when vLLM measures AL: an engine start
+    per measurement (the AL during training: every `eval.al_every_steps` and at checkpoints), the prompts
+    generated as one batch, and the serving speedup (`eval.speedup`: per K of the sweep an engine start and
+    `speedup_rounds` rounds of both sides at batch 1 and at a batch of all prompts)."""
+    e = spec.eval
+    start = ENGINE_START_SECONDS[dev]
+    one, batch = VLLM_DECODE[size][dev]
+    if e.prompt_sets and steps:
+        at = set(range(e.al_every_steps, steps + 1, e.al_every_steps)) if e.al_every_steps else set()
+        calls = len(at | set(range(spec.checkpoints.every_steps, steps + 1, spec.checkpoints.every_steps)) | {steps})
+        prompts = e.al_num_prompts if spec.checkpoints.select_best_by not in ("auto", "acceptance_length") \
+            else e.prompt_sets[0].num_prompts
+        training += calls * (start + prompts * e.max_new_tokens / batch)
+    evaluating = start + generated / batch if e.prompt_sets else 0.0
+    if e.speedup and e.prompt_sets:
+        k = e.num_speculative_tokens or spec.peagle.num_depths
+        ks = k if e.speedup_sweep else 1
+        n = min(e.speedup_num_prompts, e.prompt_sets[0].num_prompts)
+        tokens = n * e.max_new_tokens
+        per_round = 2 * (tokens / one + tokens / batch) + sum(2 * tokens / batch for _ in e.speedup_batch_sizes)
+        evaluating += (ks + 1) * start + ks * e.speedup_rounds * per_round
+    return evaluating, 0.0, training
 
 
 def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:
