@@ -41,6 +41,7 @@ from typing import Any
 from peagle.data.regenerate_cache import RegenCache, conversation_key, group_key, regen_cache_dir
 from peagle.data.regenerate_engines import TurnRequest, TurnResult
 from peagle.data.template import render
+from peagle.engine.aio import run_sync
 from peagle.spec.funnel import NO_ASSISTANT_TURN, REGEN_ANSWER_CUT, TOO_LONG
 from peagle.spec.metrics import (
     REGEN_CONVERSATIONS,
@@ -334,7 +335,7 @@ def regenerate_conversations(
                 t_gen = clock()
                 width = max(1, settings.batch_size)
                 if getattr(backend, "concurrent", False):
-                    asyncio.run(_run_concurrent(todo, backend, width, done))
+                    run_sync(_run_concurrent(todo, backend, width, done))
                 else:
                     _run_lockstep(todo, backend, width, done)
                 gen_s = clock() - t_gen

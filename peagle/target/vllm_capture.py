@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from peagle.engine.aio import run_sync
 from peagle.errors import EngineError
 from peagle.target.parts import final_norm
 
@@ -163,7 +164,7 @@ class VllmCapture:
             for s, e in document_spans(document_ids[r]):
                 where.append((r, s, e))
                 docs.append(input_ids[r, s:e].tolist())
-        states = asyncio.run(self._all(docs)) if docs else []
+        states = run_sync(self._all(docs)) if docs else []
         dtype = states[0].dtype if states else self.head_weight.dtype
         h = self.hidden_size
         aux = torch.zeros(b, t, 3 * h, dtype=dtype)  # [B, T, 3H]

@@ -396,3 +396,19 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_regeneration_runs_under_a_running_event_loop(smollm2_tokenizer, tmp_path):
+    """A caller inside a running loop (a notebook; Playwright's sync API between calls) regenerates the same
+    answers: the concurrent client no longer calls asyncio.run there (it raised RuntimeError)."""
+    import asyncio
+
+    plain = _run(smollm2_tokenizer, CONVS, _settings(), Scripted(smollm2_tokenizer, concurrent=True),
+                 tmp_path / "plain")
+
+    async def inside_a_loop():
+        return _run(smollm2_tokenizer, CONVS, _settings(), Scripted(smollm2_tokenizer, concurrent=True),
+                    tmp_path / "loop")
+
+    res = asyncio.run(inside_a_loop())
+    assert res.conversations == plain.conversations and res.reasons == plain.reasons
