@@ -5,7 +5,8 @@ Every variant is the `demo` preset (target in vLLM, regenerated answers, feature
 knob changed (`VARIANTS`); all of them train on the same prepared rows and the same feature shards (one
 data directory, linked into each run, so `peagle train` reloads it and starts no engine), with the same
 steps and seed, and are measured the same way: `peagle eval RUN/export --engine vllm` on the first 40
-HumanEval prompts x 128 new tokens at K = 4 (AL pooled as vLLM counts it, per-position acceptance). The
+HumanEval prompts x 128 new tokens at K = 4 (AL pooled as vLLM counts it, per-position acceptance; the
+same on 40 held-out ShareGPT first turns, the training data's own domain, as a second column). The
 peer is speculators 0.9.0's own `PEagleDraftModel` + loss trained by `bench/peer_train_al.py` on the same
 shards, optimizer, steps and seed.
 
@@ -28,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -70,6 +72,8 @@ VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "anchors_128": ("peagle.max_anchors", 128, {"peagle.max_anchors": 128}),
     "layers_2": ("draft.num_layers", 2, {"draft.num_layers": 2}),
     "epochs_2": ("optim.epochs (2x steps)", 2, {"optim.epochs": 2, "optim.max_steps": 480}),
+    "epochs_4": ("optim.epochs (4x steps)", 4, {"optim.epochs": 4, "optim.max_steps": 960}),
+    "epochs_8": ("optim.epochs (8x steps)", 8, {"optim.epochs": 8, "optim.max_steps": 1920}),
     "wd_01": ("optim.weight_decay", 0.1, {"optim.weight_decay": 0.1}),
     "frozen_head": ("draft.freeze_lm_head", True, {"draft.freeze_lm_head": True}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
@@ -117,6 +121,13 @@ def link_data(run: Path) -> None:
             shutil.copy2(src, out)
 
 
+def _child_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: a run's cost, which the other jobs
+    on a shared machine change far less than its wall time."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _log_lines(run: Path) -> list[str]:
     lines = []
     for line in (run / "progress.jsonl").read_text().splitlines():
@@ -140,11 +151,12 @@ def train(name: str, spec: dict[str, Any]) -> Path:
     if not fresh_data:
         link_data(run)
     print(f"==> training {name} into {run.relative_to(ROOT)}", flush=True)
-    load0, t0 = os.getloadavg(), time.time()
+    load0, t0, cpu0 = os.getloadavg(), time.time(), _child_cpu()
     with (run / "train.log").open("a") as log:
         subprocess.run([sys.executable, "-m", "peagle", "train", str(run / "spec.json"), "--out", str(run),
                         "--resume", "auto"], check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    facts = {"train_wall_seconds": round(time.time() - t0, 1), "load_average": [load0, os.getloadavg()]}
+    facts = {"train_wall_seconds": round(time.time() - t0, 1), "train_cpu_seconds": round(_child_cpu() - cpu0, 1),
+             "load_average": [load0, os.getloadavg()]}
     (run / "bench_train.json").write_text(json.dumps(facts))
     if fresh_data:  # the first run prepared the data every later run reuses
         shutil.copytree(run / "data", DATA, symlinks=True, ignore=shutil.ignore_patterns(".engine", "stream"))
@@ -157,30 +169,32 @@ def train(name: str, spec: dict[str, Any]) -> Path:
 
 def train_peer(baseline: Path) -> Path:
     """The peer draft on the baseline run's features, spec (resolved), steps and seed."""
-    run = RUNS / "peer"
+    run = RUNS / f"peer-{baseline.name}"
     if (run / "export" / "config.json").exists():
         return run
     run.mkdir(parents=True, exist_ok=True)
     link_data(run)
     shutil.copy2(baseline / "resolved_spec.json", run / "resolved_spec.json")
     print(f"==> training the peer (speculators 0.9.0) into {run.relative_to(ROOT)}", flush=True)
-    load0, t0 = os.getloadavg(), time.time()
+    load0, t0, cpu0 = os.getloadavg(), time.time(), _child_cpu()
     subprocess.run([str(PEER_PY), str(ROOT / "bench" / "peer_train_al.py"), "--run", str(run),
                     "--out", str(run / "export"), "--log", str(run / "train.jsonl")],
                    check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
-    facts = {"train_wall_seconds": round(time.time() - t0, 1), "load_average": [load0, os.getloadavg()]}
+    facts = {"train_wall_seconds": round(time.time() - t0, 1), "train_cpu_seconds": round(_child_cpu() - cpu0, 1),
+             "load_average": [load0, os.getloadavg()]}
     (run / "bench_train.json").write_text(json.dumps(facts))
     return run
 
 
-def measure(run: Path) -> dict[str, Any]:
-    """vLLM's AL of RUN/export at K = 4 (cached in the run)."""
-    cache = run / f"al_vllm_k{SERVE_K}_{NUM_PROMPTS}x{MAX_NEW_TOKENS}.json"
+def measure(run: Path, prompts: str = "humaneval") -> dict[str, Any]:
+    """vLLM's AL of RUN/export at K = 4 on `prompts` (cached in the run)."""
+    tail = "" if prompts == "humaneval" else f"_{prompts}"
+    cache = run / f"al_vllm_k{SERVE_K}_{NUM_PROMPTS}x{MAX_NEW_TOKENS}{tail}.json"
     if cache.exists():
         return dict(json.loads(cache.read_text()))
     load0, t0 = os.getloadavg(), time.time()
     out = subprocess.run(
-        [sys.executable, "-m", "peagle", "eval", str(run / "export"), "--engine", "vllm", "--prompts", "humaneval",
+        [sys.executable, "-m", "peagle", "eval", str(run / "export"), "--engine", "vllm", "--prompts", prompts,
          "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS),
          "--num-speculative-tokens", str(SERVE_K), "--json"],
         check=True, cwd=ROOT, capture_output=True, text=True,
@@ -215,7 +229,7 @@ def held_out(run: Path) -> dict[str, Any]:
 
 def row(name: str, run: Path) -> dict[str, Any]:
     knob, value, _ = VARIANTS.get(name, (name, None, {}))
-    ev = measure(run)
+    ev, chat = measure(run), measure(run, "sharegpt-heldout")
     facts = json.loads((run / "bench_train.json").read_text()) if (run / "bench_train.json").exists() else {}
     return {
         "knob": knob,
@@ -224,8 +238,11 @@ def row(name: str, run: Path) -> dict[str, Any]:
         "al": ev.get("acceptance_length"),
         "per_position": [round(x, 4) for x in ev.get("per_position") or []],
         "num_drafts": ev.get("num_drafts"),
+        "al_sharegpt_heldout": chat.get("acceptance_length"),
+        "per_position_sharegpt_heldout": [round(x, 4) for x in chat.get("per_position") or []],
         "held_out": held_out(run),
         "train_wall_seconds": facts.get("train_wall_seconds"),
+        "train_cpu_seconds": facts.get("train_cpu_seconds"),
         "train_load_average": facts.get("load_average"),
         "eval_load_average": (ev.get("bench") or {}).get("load_average"),
     }
@@ -256,11 +273,12 @@ def main() -> int:
     for name in names:
         run = train_peer(baseline) if name == "peer" else train(name, specs[name])
         measure(run)
+        measure(run, "sharegpt-heldout")
 
     rows: dict[str, Any] = {}  # every variant measured so far, in VARIANTS order, one row per run
     first: dict[Path, str] = {}
     for name in VARIANTS:
-        run = RUNS / ("peer" if name == "peer" else spec_hash(specs[name]))
+        run = RUNS / (f"peer-{baseline.name}" if name == "peer" else spec_hash(specs[name]))
         if run in first:  # the same spec as an earlier variant (e.g. the preset's own value)
             rows[first[run]].setdefault("same_as", []).append(name)
         elif (run / f"al_vllm_k{SERVE_K}_{NUM_PROMPTS}x{MAX_NEW_TOKENS}.json").exists():
@@ -281,10 +299,11 @@ def main() -> int:
         report["ours_vs_peer"] = {"al": base_al, "peer_al": rows["peer"]["al"], "ratio": round(ratio, 4),
                                   "target": f">= {TARGET_VS_PEER}", "pass": ratio >= TARGET_VS_PEER}
     (RESULTS / "method.json").write_text(json.dumps(report, indent=1))
-    print(f"{'variant':14s} {'knob':42s} {'value':>8s} {'AL':>7s} {'ratio':>7s} {'tau4':>7s}  per-position")
+    print(f"{'variant':14s} {'knob':36s} {'value':>8s} {'AL':>7s} {'ratio':>7s} {'chat AL':>7s} {'tau4':>7s}  "
+          "per-position")
     for name, r in rows.items():
-        print(f"{name:14s} {r['knob'][:42]:42s} {r['value']!s:>8s} {r['al'] or 0:7.4f} {r['ratio'] or 0:7.4f} "
-              f"{r['held_out'].get('tau_sim_k4') or 0:7.4f}  {r['per_position']}")
+        print(f"{name:14s} {r['knob'][:36]:36s} {r['value']!s:>8s} {r['al'] or 0:7.4f} {r['ratio'] or 0:7.4f} "
+              f"{r['al_sharegpt_heldout'] or 0:7.4f} {r['held_out'].get('tau_sim_k4') or 0:7.4f}  {r['per_position']}")
     return 0
 
 
