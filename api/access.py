@@ -4,7 +4,8 @@ A job submitted through the API (create, dry run, clone) runs on shared workers 
 host, so its spec may only name:
 
 - training data (`data.sources[].path`): `builtin:*` data, or `dataset:<id>` of a dataset the caller owns;
-- prompt sets (`eval.prompt_sets[].name`): the builtin sets (`humaneval`, `sharegpt-heldout`);
+- prompt sets (`eval.prompt_sets[].name`): the builtin sets (`humaneval`, `sharegpt-heldout`, and `heldout`,
+  the job's own held-out conversations);
 - the target (`target.model`): a builtin, a hub id (`name` or `org/name`: no other slash, no `..`, not
   absolute), or a folder under one of the operator's `model_roots` (`PEAGLE_MODEL_ROOTS`; none by default).
 

@@ -185,6 +185,7 @@ def run_pipeline(
         The `peagle.errors` classes (spec/data/target/export/resource/checkpoint problems) and
         `TrainingInterrupted` after a SIGTERM (checkpoint saved).
     """
+    from peagle.data.packing import document_prompts
     from peagle.data.prepare import prepare_data
     from peagle.engine.locate import vllm_available
     from peagle.eval.job import al_hook, evaluate_run
@@ -238,6 +239,7 @@ def run_pipeline(
     if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
         _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
     vocab = prepared.vocab
+    heldout = document_prompts(prepared.eval)  # the `heldout` prompt set: held-out conversations to their answer
 
     _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
     # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation
@@ -285,7 +287,8 @@ def run_pipeline(
             eval_source=eval_source,
             sink=sink,
             extra_writer=write_export,
-            evaluate_hook=al_hook(base, model, tok, k_eval, target_path=target_path, architectures=arch)
+            evaluate_hook=al_hook(base, model, tok, k_eval, target_path=target_path, architectures=arch,
+                                  heldout=heldout)
             if spec.eval.prompt_sets else None,
             device=device,
             resume=resume,
@@ -294,7 +297,7 @@ def run_pipeline(
 
     # the evaluation end (peagle/eval/job.py): best checkpoint's AL (and serving speedup), export, serve check
     evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
-                 step=trainer.step, total_steps=steps)
+                 step=trainer.step, total_steps=steps, heldout=heldout)
     return result
 
 

@@ -324,7 +324,8 @@ def eval_cmd(
     directory: Path = typer.Argument(..., help="Export dir (or run / checkpoint dir)."),
     prompts: list[str] = typer.Option(
         ["humaneval"], "--prompts",
-        help="humaneval | sharegpt-heldout | a JSONL path; repeat for several sets (AL reported per set).",
+        help="humaneval | sharegpt-heldout | heldout (RUN/export's own held-out conversations) | a JSONL path; "
+        "repeat for several sets (AL reported per set).",
     ),
     num_prompts: int = typer.Option(40, "--num-prompts", min=1),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),

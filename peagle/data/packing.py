@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "pack_documents", "shift_features", "shift_rows"]
+__all__ = ["PackedRows", "document_prompts", "pack_documents", "shift_features", "shift_rows"]
 
 
 @dataclass
@@ -135,3 +135,27 @@ def shift_features(
     aux = aux.masked_fill((doc < 0).unsqueeze(-1), 0.0)
     target = target.masked_fill((nxt_doc != doc).unsqueeze(-1) | (doc < 0).unsqueeze(-1), 0.0)
     return {"input_ids": ids, "loss_mask": mask, "document_ids": doc, "aux": aux, "target_logits": target}
+
+
+def document_prompts(rows: PackedRows) -> list[list[int]]:
+    """Each packed document's tokens before its first supervised token: the conversation up to its first
+    answer, through the target's chat template with the assistant header (what a server is sent), in row
+    order then position. Documents with no supervised token, or one at their first position, are left out.
+
+    >>> rows = PackedRows(torch.tensor([[5, 6, 7, 8, 9, 0]]), torch.tensor([[0, 0, 1, 0, 1, 0]]),
+    ...                   torch.tensor([[0, 0, 0, 1, 1, -1]]))
+    >>> document_prompts(rows)
+    [[5, 6], [8]]
+    """
+    out: list[list[int]] = []
+    for r in range(len(rows)):
+        ids, mask, doc = rows.input_ids[r].tolist(), rows.loss_mask[r].tolist(), rows.document_ids[r].tolist()
+        start = 0
+        for i in range(1, len(doc) + 1):
+            if i == len(doc) or doc[i] != doc[start]:
+                if doc[start] >= 0:
+                    first = next((j for j in range(start, i) if mask[j]), None)
+                    if first is not None and first > start:
+                        out.append(ids[start:first])
+                start = i
+    return out

@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from peagle.errors import CheckpointError, ResourceError
+from peagle.errors import CheckpointError, DataInvalidError, ResourceError
 from peagle.fileio import atomic_write_json, publish_dir
-from peagle.spec import TrainSpec
+from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 from peagle.train.progress import ProgressSink
 
@@ -66,11 +66,31 @@ def best_checkpoint(root: Path) -> Path:
     raise CheckpointError(f"{root}: no complete checkpoint to export")
 
 
-def prompt_ids(spec: TrainSpec, tok: Any) -> list[tuple[str, list[list[int]]]]:
-    """(name, chat-templated token ids) of every `eval.prompt_sets` entry, in order."""
+def prompt_ids(spec: TrainSpec, tok: Any, heldout: list[list[int]] | None = None
+               ) -> list[tuple[str, list[list[int]]]]:
+    """(name, chat-templated token ids) of every `eval.prompt_sets` entry, in order.
+
+    Args:
+        heldout: the job's held-out conversations up to their first answer
+            (`peagle.data.packing.document_prompts` of the prepared eval rows): the `heldout` set.
+
+    Raises:
+        DataInvalidError: `heldout` is asked for and no held-out conversation has an answer.
+    """
     from peagle.eval.reference import load_prompts, tokenize_prompts
 
-    return [(ps.name, tokenize_prompts(tok, load_prompts(ps.name, ps.num_prompts))) for ps in spec.eval.prompt_sets]
+    out: list[tuple[str, list[list[int]]]] = []
+    for ps in spec.eval.prompt_sets:
+        if ps.name == HELDOUT_PROMPT_SET:
+            if not heldout:
+                raise DataInvalidError(
+                    "eval.prompt_sets: 'heldout' needs held-out conversations with an answer (data.eval_samples); "
+                    "this run has none"
+                )
+            out.append((ps.name, [list(p) for p in heldout[: ps.num_prompts]]))
+        else:
+            out.append((ps.name, tokenize_prompts(tok, load_prompts(ps.name, ps.num_prompts))))
+    return out
 
 
 def eos_ids(model: Any, tok: Any) -> list[int]:
@@ -124,7 +144,7 @@ def _architectures(target_path: Path | str) -> list[str]:
 
 def al_hook(
     spec: TrainSpec, model: Any, tok: Any, k: int, *, target_path: Path | str,
-    architectures: list[str] | None = None,
+    architectures: list[str] | None = None, heldout: list[list[int]] | None = None,
 ) -> Any:
     """`evaluate_hook` measuring AL during training on the first `eval.al_num_prompts` prompts of the first
     prompt set (all of them when the resolved `checkpoints.select_best_by` is acceptance_length, which
@@ -138,9 +158,10 @@ def al_hook(
         k: K at evaluation.
         target_path: the local target folder vLLM loads as verifier.
         architectures: the verifier's architectures for the temporary export (default: its config.json's).
+        heldout: the `heldout` prompt set (`prompt_ids`).
     """
     resolved = resolved_eval(spec)
-    prompts = prompt_ids(resolved, tok)[0][1]
+    prompts = prompt_ids(resolved, tok, heldout)[0][1]
     if resolved.checkpoints.select_best_by != ACCEPTANCE_LENGTH:
         prompts = prompts[: resolved.eval.al_num_prompts]
     engine = _engine(resolved, model, None)
@@ -207,6 +228,7 @@ def _serving_summary(serving: dict[str, Any] | None, default_k: int) -> dict[str
 
 def evaluate_export(
     spec: TrainSpec, ckpt: Path, model: Any, tok: Any, k: int, sink: ProgressSink, *, target_path: Path | str,
+    heldout: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """AL of a checkpoint's export on every prompt set (and, with vLLM, the serving speedup).
 
@@ -219,7 +241,7 @@ def evaluate_export(
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     metrics = meta.get("metrics", {})
     out: dict[str, Any] = {TAU_SIM: metrics.get(eval_key(TAU_SIM), metrics.get(TAU_SIM))}
-    sets = prompt_ids(resolved, tok)
+    sets = prompt_ids(resolved, tok, heldout)
     engine = _engine(resolved, model, sink)
     out["engine"] = engine
     reports: dict[str, dict[str, Any]] = {}
@@ -330,7 +352,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def serve_check(
-    spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink, target_path: Path | str
+    spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink, target_path: Path | str,
+    heldout: list[list[int]] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM on RUN/export against the reference decoder's eval.json (first prompt set), plus the serving
     speedup (`eval.speedup`); an `eval` event with `vllm_*` metrics and the `evaluation` part it adds,
@@ -341,7 +364,7 @@ def serve_check(
         sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")
         return None
     eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
-    name, prompts = prompt_ids(spec, tok)[0]
+    name, prompts = prompt_ids(spec, tok, heldout)[0]
     plan = _speedup_plan(spec, k, len(prompts))
     try:  # vLLM loads the folder the run trained against; the export names it portably
         res = measure_vllm(export_dir, {name: prompts}, max_new_tokens=spec.eval.max_new_tokens,
@@ -380,7 +403,7 @@ def serve_check(
 
 def evaluate_run(
     spec: TrainSpec, run: Path, result: Any, *, model: Any, tok: Any, k: int, sink: ProgressSink,
-    target_path: Path | str, step: int, total_steps: int,
+    target_path: Path | str, step: int, total_steps: int, heldout: list[list[int]] | None = None,
 ) -> None:
     """Steps 1-3 of the module docstring on RUN; fills `result` (`PipelineResult`: best_checkpoint, eval,
     export_dir, serve_check) and announces the phases (`done` last)."""
@@ -391,7 +414,7 @@ def evaluate_run(
     what = "acceptance length and serving speedup" if engine == "vllm" and resolved.eval.speedup else \
         "acceptance length"
     sink.event("phase", phase="evaluating", message=f"{what} of {best.name} ({_decoder(engine)}, K={k})")
-    result.eval = evaluate_export(resolved, best, model, tok, k, sink, target_path=target_path)
+    result.eval = evaluate_export(resolved, best, model, tok, k, sink, target_path=target_path, heldout=heldout)
     if result.eval.get(ACCEPTANCE_LENGTH) is not None:
         values = {ACCEPTANCE_LENGTH: result.eval[ACCEPTANCE_LENGTH], **al_pos_values(result.eval.get(PER_POSITION, []))}
         sink.metric(step, step / max(total_steps, 1) * resolved.optim.epochs, values)
@@ -407,5 +430,5 @@ def evaluate_run(
 
     if engine == "reference" and resolved.eval.serve_check:
         sink.event("phase", phase="serve_check", message="loading the export in vLLM with parallel drafting")
-        result.serve_check = serve_check(resolved, export_dir, tok, k, sink, target_path)
+        result.serve_check = serve_check(resolved, export_dir, tok, k, sink, target_path, heldout)
     sink.event("phase", phase="done", message=f"done: {al_text(result.eval, resolved)} ({best.name})")

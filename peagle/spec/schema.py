@@ -15,7 +15,8 @@ reported with the exact field path. `parse_spec` turns both into a flat list of 
 
 Builtin names resolve to offline fixtures (see `peagle.builtin`): targets
 ``builtin:smollm2-135m-instruct`` and ``builtin:tiny-llama``; data ``builtin:sharegpt``; prompt sets
-``humaneval`` and ``sharegpt-heldout``.
+``humaneval`` and ``sharegpt-heldout``, and ``heldout``: the job's own held-out conversations
+(``data.eval_samples``), each up to its first answer.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ SPEC_VERSION = 1
 
 BUILTIN_TARGETS = ("builtin:smollm2-135m-instruct", "builtin:tiny-llama")
 BUILTIN_DATA = ("builtin:sharegpt",)
-BUILTIN_PROMPT_SETS = ("humaneval", "sharegpt-heldout")
+#: The prompt set made of the job's own held-out conversations (data.eval_samples), each up to its first answer.
+HELDOUT_PROMPT_SET = "heldout"
+BUILTIN_PROMPT_SETS = ("humaneval", "sharegpt-heldout", HELDOUT_PROMPT_SET)
 #: Prefix of a data source path naming an uploaded dataset (`dataset:<id>`): the API writes and checks
 #: it, the worker and `peagle.builtin` resolve it. The one definition (the service re-exports it).
 DATASET_PREFIX = "dataset:"
@@ -46,6 +49,7 @@ __all__ = [
     "BUILTIN_PROMPT_SETS",
     "BUILTIN_TARGETS",
     "DATASET_PREFIX",
+    "HELDOUT_PROMPT_SET",
     "SPEC_VERSION",
     "VLLM_EXTRA_FLAGS",
     "CheckpointSpec",
@@ -269,7 +273,9 @@ class PromptSet(_Strict):
     name: str = Field(
         min_length=1,
         max_length=1024,
-        description="`humaneval`, `sharegpt-heldout`, or a path to a JSONL file of prompts.",
+        description="`humaneval`, `sharegpt-heldout`, `heldout` (this job's own held-out conversations, "
+        "data.eval_samples, each up to its first answer: where the draft meets the user's own traffic), or a "
+        "path to a JSONL file of prompts.",
     )
     num_prompts: int = Field(default=40, ge=1, le=100_000, description="First N prompts of the set.")
 
@@ -555,6 +561,10 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
     names = [s.name for s in spec.eval.prompt_sets]
     if len(set(names)) != len(names):
         bad(("eval", "prompt_sets"), f"prompt set names must be distinct, got {names}")
+    for i, name in enumerate(names):
+        if name == HELDOUT_PROMPT_SET and spec.data.eval_samples == 0:
+            bad(("eval", "prompt_sets", i, "name"),
+                "'heldout' measures AL on the job's held-out conversations: set data.eval_samples >= 1")
     return out
 
 
