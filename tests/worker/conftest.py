@@ -37,6 +37,36 @@ def migrate(url: str) -> None:
     command.upgrade(cfg, "head")
 
 
+@pytest.fixture
+def factory(tmp_path: Path) -> Iterator[Any]:
+    """A session factory on a migrated SQLite database of this test's own."""
+    from service.db import upgrade
+    from service.db.session import make_engine, make_session_factory
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+def new_job(factory: Any, *, status: str = "queued", max_restarts: int = 2) -> str:
+    """A `tiny` job of owner "t" (created once per database) in `status`; its id."""
+    from peagle.spec import preset
+    from service.db.models import Job, Owner, utcnow
+    from service.db.session import session_scope
+
+    with session_scope(factory) as s:
+        owner = s.scalar(sa.select(Owner).where(Owner.name == "t")) or Owner(name="t")
+        s.add(owner)
+        s.flush()
+        job = Job(owner_id=owner.id, spec=preset("tiny").model_dump(mode="json"), status=status, progress={},
+                  max_restarts=max_restarts, queue="cpu", queued_at=utcnow())
+        s.add(job)
+        s.flush()
+        return str(job.id)
+
+
 def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)

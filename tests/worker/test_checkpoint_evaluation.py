@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 
-from peagle.spec import preset
 from service.db import lease as L
-from service.db.models import Checkpoint, Job, Owner, utcnow
-from service.db.session import make_engine, make_session_factory, session_scope
+from service.db.models import Checkpoint
+from service.db.session import session_scope
+from tests.worker.conftest import new_job
 from worker.progress import ProgressCollector
 
 ROW = {"num_speculative_tokens": 4, "batch_size": 1, "rounds": 3, "speedup": 0.8, "speedup_per_round": [0.8] * 3,
@@ -31,17 +30,6 @@ EVALUATION = {
 }
 
 
-@pytest.fixture
-def factory(tmp_path):
-    from service.db import upgrade
-
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
 def test_the_eval_event_carries_the_evaluation_to_its_checkpoint() -> None:
     c = ProgressCollector()
     c.add({"type": "event", "kind": "eval", "time": 1.0, "checkpoint_step": 8,
@@ -51,15 +39,7 @@ def test_the_eval_event_carries_the_evaluation_to_its_checkpoint() -> None:
 
 
 def test_ingest_stores_and_merges_the_evaluation(factory: Any) -> None:
-    with session_scope(factory) as s:
-        owner = Owner(name="t")
-        s.add(owner)
-        s.flush()
-        job = Job(owner_id=owner.id, spec=preset("tiny").model_dump(mode="json"), status="queued", progress={},
-                  max_restarts=2, queue="cpu", queued_at=utcnow())
-        s.add(job)
-        s.flush()
-        job_id = job.id
+    job_id = new_job(factory)
     with session_scope(factory) as s:
         lease = L.claim_job(s, job_id, owner="w1", lease_seconds=60.0, artifact_dir="/tmp/x")
     c = ProgressCollector()

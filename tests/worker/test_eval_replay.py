@@ -7,31 +7,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from peagle.spec import preset
 from service.db import lease as L
-from service.db.models import Job, JobMetric, Owner, utcnow
-from service.db.session import make_engine, make_session_factory, session_scope
+from service.db.models import JobMetric
+from service.db.session import session_scope
 from service.settings import get_settings
+from tests.worker.conftest import new_job
 from worker.progress import ProgressCollector
 from worker.supervisor import Supervisor
 
 STEP = 4  # the checkpoint step at which the attempt crashes
 EVAL = {"type": "event", "kind": "eval", "step": STEP, "metrics": {"eval_loss": 0.5, "acceptance_length": 2.5}}
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Any:
-    from service.db import upgrade
-
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield make_session_factory(engine)
-    engine.dispose()
 
 
 def _train_records() -> list[dict[str, Any]]:
@@ -43,15 +31,7 @@ def _train_records() -> list[dict[str, Any]]:
 
 def _crashed_job(factory: sessionmaker[Session]) -> str:
     """Attempt 0 stored metrics 1..STEP and the checkpoint at STEP, then died before its eval was stored."""
-    with session_scope(factory) as s:
-        owner = Owner(name="t")
-        s.add(owner)
-        s.flush()
-        job = Job(owner_id=owner.id, spec=preset("tiny").model_dump(mode="json"), status="queued", progress={},
-                  max_restarts=2, queue="cpu", queued_at=utcnow())
-        s.add(job)
-        s.flush()
-        job_id = job.id
+    job_id = new_job(factory)
     with session_scope(factory) as s:
         lease = L.claim_job(s, job_id, owner="w1", lease_seconds=60, artifact_dir="/tmp/x")
     collector = ProgressCollector()

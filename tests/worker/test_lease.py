@@ -12,34 +12,12 @@ import sqlalchemy as sa
 
 from peagle.spec import preset
 from service.db import lease as L
-from service.db.models import Checkpoint, Job, JobEvent, JobMetric, Owner, utcnow
-from service.db.session import make_engine, make_session_factory, session_scope
+from service.db.models import Checkpoint, Job, JobEvent, JobMetric, utcnow
+from service.db.session import session_scope
 from service.settings import Settings
+from tests.worker.conftest import new_job
 from worker.progress import ProgressCollector
 from worker.supervisor import build_command, classify_exit
-
-
-@pytest.fixture
-def factory(tmp_path):
-    from service.db import upgrade
-
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
-def new_job(factory, *, status="queued", max_restarts=2):
-    with session_scope(factory) as s:
-        owner = s.scalar(sa.select(Owner).where(Owner.name == "t")) or Owner(name="t")
-        s.add(owner)
-        s.flush()
-        job = Job(owner_id=owner.id, spec=preset("tiny").model_dump(mode="json"), status=status, progress={},
-                  max_restarts=max_restarts, queue="cpu", queued_at=utcnow())
-        s.add(job)
-        s.flush()
-        return job.id
 
 
 def claim(factory, job_id, owner="w1", lease_seconds=60.0):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from peagle.spec import preset
 from service.db import upgrade
-from service.db.models import Job, JobEvent, Owner, utcnow
+from service.db.models import Job, JobEvent
 from service.db.session import make_engine, make_session_factory, session_scope
 from service.settings import Settings
+from tests.worker.conftest import new_job
 from worker import tasks
 
 
@@ -18,15 +18,7 @@ def test_supervisor_crash_message_names_no_host_path(tmp_path, monkeypatch, capl
     upgrade(url)
     engine = make_engine(url)
     factory = make_session_factory(engine)
-    with session_scope(factory) as s:
-        owner = Owner(name="t")
-        s.add(owner)
-        s.flush()
-        job = Job(owner_id=owner.id, spec=preset("tiny").model_dump(mode="json"), status="queued", progress={},
-                  max_restarts=2, queue="cpu", queued_at=utcnow())
-        s.add(job)
-        s.flush()
-        job_id = job.id
+    job_id = new_job(factory)
 
     def boom(self):
         raise OSError("cannot read /srv/tenants/owner_a/secret.jsonl: root:x:0:0")
