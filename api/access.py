@@ -5,7 +5,7 @@ host, so its spec may only name:
 
 - training data (`data.sources[].path`): `builtin:*` data, or `dataset:<id>` of a dataset the caller owns;
 - prompt sets (`eval.prompt_sets[].name`): the builtin sets (`humaneval`, `sharegpt-heldout`, and `heldout`,
-  the job's own held-out conversations);
+  the job's own held-out conversations), or `dataset:<id>` of a dataset the caller owns;
 - the target (`target.model`): a builtin, a hub id (`name` or `org/name`: no other slash, no `..`, not
   absolute), or a folder under one of the operator's `model_roots` (`PEAGLE_MODEL_ROOTS`; none by default).
 
@@ -68,7 +68,8 @@ def access_problems(spec: TrainSpec, model_roots: Sequence[Path]) -> list[dict[s
                              f"dataset ('dataset:<id>', see POST /v1/datasets) or {', '.join(BUILTIN_DATA)}; "
                              "server paths are not accepted"})
     for i, ps in enumerate(spec.eval.prompt_sets):
-        if ps.name not in BUILTIN_PROMPT_SETS:
+        if ps.name not in BUILTIN_PROMPT_SETS and dataset_id(ps.name) is None:
             problems.append({"param": f"/eval/prompt_sets/{i}/name", "message": "prompt set must be one of "
-                             f"{', '.join(BUILTIN_PROMPT_SETS)}; server paths are not accepted"})
+                             f"{', '.join(BUILTIN_PROMPT_SETS)} or an uploaded dataset ('dataset:<id>'); "
+                             "server paths are not accepted"})
     return problems

@@ -108,21 +108,24 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
     if target is not None:
         out.problems.append({"param": "/target/model", "message": target})
     out.problems += _engine_problems(spec, vllm_available)
-    ids = {ds_id for src in spec.data.sources if (ds_id := dataset_id(src.path)) is not None}
+    # (param, `dataset:<id>`, rows skipped) of every uploaded dataset the spec names: sources and prompt sets
+    named = [(f"/data/sources/{i}/path", src.path, src.skip) for i, src in enumerate(spec.data.sources)]
+    named += [(f"/eval/prompt_sets/{i}/name", ps.name, 0) for i, ps in enumerate(spec.eval.prompt_sets)]
+    ids = {ds_id for _, ref, _ in named if (ds_id := dataset_id(ref)) is not None}
     owned = {ds.id: ds for ds in session.scalars(
         sa.select(Dataset).where(Dataset.id.in_(ids), Dataset.owner_id == owner_id))} if ids else {}
-    for i, src in enumerate(spec.data.sources):
-        ds_id = dataset_id(src.path)
+    for param, ref, skip in named:
+        ds_id = dataset_id(ref)
         if ds_id is None:
             continue
-        param = f"/data/sources/{i}/path"
         ds = owned.get(ds_id)
         if ds is None:
             out.problems.append({"param": param, "message": f"no dataset {ds_id!r}"})
             out.forbidden = True
             continue
-        out.reports[src.path] = ds.report or {}
-        problem = _dataset_problem(ds, src.skip)
+        if param.startswith("/data/"):
+            out.reports[ref] = ds.report or {}
+        problem = _dataset_problem(ds, skip)
         if problem is not None:
             out.problems.append({"param": param, "message": problem})
     out.problems.sort(key=_order)

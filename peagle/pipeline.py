@@ -188,7 +188,7 @@ def run_pipeline(
     from peagle.data.packing import document_prompts
     from peagle.data.prepare import prepare_data
     from peagle.engine.locate import vllm_available
-    from peagle.eval.job import al_hook, evaluate_run
+    from peagle.eval.job import PromptSources, al_hook, evaluate_run
     from peagle.export.writer import export_draft
     from peagle.model.draft import PEagleDraft
     from peagle.target.capture import resolve_aux_layer_ids
@@ -239,7 +239,8 @@ def run_pipeline(
     if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
         _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
     vocab = prepared.vocab
-    heldout = document_prompts(prepared.eval)  # the `heldout` prompt set: held-out conversations to their answer
+    # the `heldout` prompt set (held-out conversations up to their answer) and uploaded prompt sets
+    sources = PromptSources(document_prompts(prepared.eval), dataset_root)
 
     _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
     # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation
@@ -288,7 +289,7 @@ def run_pipeline(
             sink=sink,
             extra_writer=write_export,
             evaluate_hook=al_hook(base, model, tok, k_eval, target_path=target_path, architectures=arch,
-                                  heldout=heldout)
+                                  sources=sources)
             if spec.eval.prompt_sets else None,
             device=device,
             resume=resume,
@@ -297,7 +298,7 @@ def run_pipeline(
 
     # the evaluation end (peagle/eval/job.py): best checkpoint's AL (and serving speedup), export, serve check
     evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
-                 step=trainer.step, total_steps=steps, heldout=heldout)
+                 step=trainer.step, total_steps=steps, sources=sources)
     return result
 
 

@@ -321,8 +321,10 @@ class Supervisor:
                 signal.signal(signal.SIGTERM, previous)
 
     def _resolve_datasets(self, spec: TrainSpec) -> tuple[TrainSpec, str | None]:
-        """The spec the trainer gets: `dataset:<id>` sources become the uploaded file's local path."""
+        """The spec the trainer gets: `dataset:<id>` sources and prompt sets become the uploaded file's local
+        path (the job owner's datasets only; the Redactor maps the path back in what clients see)."""
         ids = [ds_id for src in spec.data.sources if (ds_id := dataset_id(src.path)) is not None]
+        ids += [ds_id for ps in spec.eval.prompt_sets if (ds_id := dataset_id(ps.name)) is not None]
         if not ids:
             return spec, None
         with session_scope(self.factory) as s:
@@ -333,8 +335,15 @@ class Supervisor:
             if ds_id is not None and ds_id not in files:
                 return spec, f"data.sources.{i}.path: dataset {ds_id!r} not found"
             sources.append(src if ds_id is None else src.model_copy(update={"path": files[ds_id]}))
+        prompt_sets = []
+        for i, ps in enumerate(spec.eval.prompt_sets):
+            ds_id = dataset_id(ps.name)
+            if ds_id is not None and ds_id not in files:
+                return spec, f"eval.prompt_sets.{i}.name: dataset {ds_id!r} not found"
+            prompt_sets.append(ps if ds_id is None else ps.model_copy(update={"name": files[ds_id]}))
         self.redact = Redactor(self.settings, self.run_dir, {files[i]: i for i in ids if i in files})
-        return spec.model_copy(update={"data": spec.data.model_copy(update={"sources": sources})}), None
+        return spec.model_copy(update={"data": spec.data.model_copy(update={"sources": sources}),
+                                       "eval": spec.eval.model_copy(update={"prompt_sets": prompt_sets})}), None
 
     def _public_spec(self, resolved: dict[str, Any]) -> dict[str, Any]:
         """The trainer's resolved spec as the owner sees it: their own data refs, no server path."""

@@ -26,12 +26,13 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peagle.errors import CheckpointError, DataInvalidError, ResourceError
 from peagle.fileio import atomic_write_json, publish_dir
-from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
+from peagle.spec import BUILTIN_PROMPT_SETS, HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 from peagle.train.progress import ProgressSink
 
@@ -66,31 +67,84 @@ def best_checkpoint(root: Path) -> Path:
     raise CheckpointError(f"{root}: no complete checkpoint to export")
 
 
-def prompt_ids(spec: TrainSpec, tok: Any, heldout: list[list[int]] | None = None
-               ) -> list[tuple[str, list[list[int]]]]:
-    """(name, chat-templated token ids) of every `eval.prompt_sets` entry, in order.
+@dataclass(frozen=True)
+class PromptSources:
+    """What a job's prompt sets resolve against besides the builtin sets and files.
 
-    Args:
+    Attributes:
         heldout: the job's held-out conversations up to their first answer
             (`peagle.data.packing.document_prompts` of the prepared eval rows): the `heldout` set.
+        dataset_root: where uploaded datasets (`dataset:<id>` sets) live.
+    """
+
+    heldout: list[list[int]] = field(default_factory=list)
+    dataset_root: Path | None = None
+
+
+def prompt_ids(spec: TrainSpec, tok: Any, sources: PromptSources | None = None
+               ) -> list[tuple[str, list[list[int]]]]:
+    """(name, chat-templated token ids) of every `eval.prompt_sets` entry, in order (`prompt_set_ids`).
 
     Raises:
-        DataInvalidError: `heldout` is asked for and no held-out conversation has an answer.
+        DataInvalidError: a set that cannot be read (the message names its `eval.prompt_sets` entry).
     """
+    out: list[tuple[str, list[list[int]]]] = []
+    for i, ps in enumerate(spec.eval.prompt_sets):
+        try:
+            out.append((ps.name, prompt_set_ids(ps.name, ps.num_prompts, tok, sources)))
+        except DataInvalidError as exc:
+            raise DataInvalidError(f"eval.prompt_sets.{i}.name: {exc}") from None
+    return out
+
+
+def prompt_set_ids(name: str, num_prompts: int, tok: Any, sources: PromptSources | None = None) -> list[list[int]]:
+    """The first `num_prompts` prompts (token ids, chat template and generation prompt included) of set `name`:
+    `heldout` (`sources.heldout`), a builtin set, an uploaded dataset or any conversation dataset file
+    (`peagle.data.prompts`: each conversation up to its first answer), or a JSONL of `{"prompt": ...}`.
+
+    Raises:
+        DataInvalidError: `heldout` without held-out conversations; a set that cannot be read or holds no prompt.
+    """
+    from peagle.builtin import resolve_data_path
+    from peagle.data.prompts import dataset_prompts
     from peagle.eval.reference import load_prompts, tokenize_prompts
 
-    out: list[tuple[str, list[list[int]]]] = []
-    for ps in spec.eval.prompt_sets:
-        if ps.name == HELDOUT_PROMPT_SET:
-            if not heldout:
-                raise DataInvalidError(
-                    "eval.prompt_sets: 'heldout' needs held-out conversations with an answer (data.eval_samples); "
-                    "this run has none"
-                )
-            out.append((ps.name, [list(p) for p in heldout[: ps.num_prompts]]))
-        else:
-            out.append((ps.name, tokenize_prompts(tok, load_prompts(ps.name, ps.num_prompts))))
-    return out
+    src = sources or PromptSources()
+    if name == HELDOUT_PROMPT_SET:
+        if not src.heldout:
+            raise DataInvalidError("'heldout' needs held-out conversations with an answer (data.eval_samples); "
+                                   "this run has none")
+        return [list(p) for p in src.heldout[:num_prompts]]
+    if name in BUILTIN_PROMPT_SETS or not _conversation_file(name):
+        return tokenize_prompts(tok, load_prompts(name, num_prompts))
+    try:
+        path = resolve_data_path(name, src.dataset_root)
+    except ValueError as exc:
+        raise DataInvalidError(f"{name}: {exc}") from None
+    return dataset_prompts(path, tok, num_prompts)
+
+
+def _conversation_file(name: str) -> bool:
+    """Whether prompt set `name` is read as a conversation dataset (`peagle.data.prompts`): an uploaded
+    dataset (`dataset:<id>`: the worker hands the trainer its file), or a file whose first record has no
+    `prompt` key (JSON arrays, ShareGPT, messages, tokenised rows); a JSONL of `{"prompt": ...}` records
+    is read by `load_prompts`."""
+    from peagle.spec import DATASET_PREFIX
+
+    if name.startswith(DATASET_PREFIX):
+        return True
+    path = Path(name).expanduser()
+    if not path.is_file():
+        return False  # load_prompts names the problem
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        head = fh.read(1 << 16).lstrip()
+    if head.startswith("["):
+        return True
+    try:
+        first = json.loads(head.splitlines()[0]) if head else None
+    except json.JSONDecodeError:
+        return False
+    return not (isinstance(first, dict) and "prompt" in first)
 
 
 def eos_ids(model: Any, tok: Any) -> list[int]:
@@ -144,7 +198,7 @@ def _architectures(target_path: Path | str) -> list[str]:
 
 def al_hook(
     spec: TrainSpec, model: Any, tok: Any, k: int, *, target_path: Path | str,
-    architectures: list[str] | None = None, heldout: list[list[int]] | None = None,
+    architectures: list[str] | None = None, sources: PromptSources | None = None,
 ) -> Any:
     """`evaluate_hook` measuring AL during training on the first `eval.al_num_prompts` prompts of the first
     prompt set (all of them when the resolved `checkpoints.select_best_by` is acceptance_length, which
@@ -158,10 +212,10 @@ def al_hook(
         k: K at evaluation.
         target_path: the local target folder vLLM loads as verifier.
         architectures: the verifier's architectures for the temporary export (default: its config.json's).
-        heldout: the `heldout` prompt set (`prompt_ids`).
+        sources: the job's own prompt sets (`PromptSources`).
     """
     resolved = resolved_eval(spec)
-    prompts = prompt_ids(resolved, tok, heldout)[0][1]
+    prompts = prompt_ids(resolved, tok, sources)[0][1]
     if resolved.checkpoints.select_best_by != ACCEPTANCE_LENGTH:
         prompts = prompts[: resolved.eval.al_num_prompts]
     engine = _engine(resolved, model, None)
@@ -228,7 +282,7 @@ def _serving_summary(serving: dict[str, Any] | None, default_k: int) -> dict[str
 
 def evaluate_export(
     spec: TrainSpec, ckpt: Path, model: Any, tok: Any, k: int, sink: ProgressSink, *, target_path: Path | str,
-    heldout: list[list[int]] | None = None,
+    sources: PromptSources | None = None,
 ) -> dict[str, Any]:
     """AL of a checkpoint's export on every prompt set (and, with vLLM, the serving speedup).
 
@@ -241,7 +295,7 @@ def evaluate_export(
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     metrics = meta.get("metrics", {})
     out: dict[str, Any] = {TAU_SIM: metrics.get(eval_key(TAU_SIM), metrics.get(TAU_SIM))}
-    sets = prompt_ids(resolved, tok, heldout)
+    sets = prompt_ids(resolved, tok, sources)
     engine = _engine(resolved, model, sink)
     out["engine"] = engine
     reports: dict[str, dict[str, Any]] = {}
@@ -353,7 +407,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 def serve_check(
     spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink, target_path: Path | str,
-    heldout: list[list[int]] | None = None,
+    sources: PromptSources | None = None,
 ) -> dict[str, Any] | None:
     """vLLM on RUN/export against the reference decoder's eval.json (first prompt set), plus the serving
     speedup (`eval.speedup`); an `eval` event with `vllm_*` metrics and the `evaluation` part it adds,
@@ -364,7 +418,7 @@ def serve_check(
         sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")
         return None
     eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
-    name, prompts = prompt_ids(spec, tok, heldout)[0]
+    name, prompts = prompt_ids(spec, tok, sources)[0]
     plan = _speedup_plan(spec, k, len(prompts))
     try:  # vLLM loads the folder the run trained against; the export names it portably
         res = measure_vllm(export_dir, {name: prompts}, max_new_tokens=spec.eval.max_new_tokens,
@@ -403,7 +457,7 @@ def serve_check(
 
 def evaluate_run(
     spec: TrainSpec, run: Path, result: Any, *, model: Any, tok: Any, k: int, sink: ProgressSink,
-    target_path: Path | str, step: int, total_steps: int, heldout: list[list[int]] | None = None,
+    target_path: Path | str, step: int, total_steps: int, sources: PromptSources | None = None,
 ) -> None:
     """Steps 1-3 of the module docstring on RUN; fills `result` (`PipelineResult`: best_checkpoint, eval,
     export_dir, serve_check) and announces the phases (`done` last)."""
@@ -414,7 +468,7 @@ def evaluate_run(
     what = "acceptance length and serving speedup" if engine == "vllm" and resolved.eval.speedup else \
         "acceptance length"
     sink.event("phase", phase="evaluating", message=f"{what} of {best.name} ({_decoder(engine)}, K={k})")
-    result.eval = evaluate_export(resolved, best, model, tok, k, sink, target_path=target_path, heldout=heldout)
+    result.eval = evaluate_export(resolved, best, model, tok, k, sink, target_path=target_path, sources=sources)
     if result.eval.get(ACCEPTANCE_LENGTH) is not None:
         values = {ACCEPTANCE_LENGTH: result.eval[ACCEPTANCE_LENGTH], **al_pos_values(result.eval.get(PER_POSITION, []))}
         sink.metric(step, step / max(total_steps, 1) * resolved.optim.epochs, values)
@@ -430,5 +484,5 @@ def evaluate_run(
 
     if engine == "reference" and resolved.eval.serve_check:
         sink.event("phase", phase="serve_check", message="loading the export in vLLM with parallel drafting")
-        result.serve_check = serve_check(resolved, export_dir, tok, k, sink, target_path, heldout)
+        result.serve_check = serve_check(resolved, export_dir, tok, k, sink, target_path, sources)
     sink.event("phase", phase="done", message=f"done: {al_text(result.eval, resolved)} ({best.name})")

@@ -274,8 +274,9 @@ class PromptSet(_Strict):
         min_length=1,
         max_length=1024,
         description="`humaneval`, `sharegpt-heldout`, `heldout` (this job's own held-out conversations, "
-        "data.eval_samples, each up to its first answer: where the draft meets the user's own traffic), or a "
-        "path to a JSONL file of prompts.",
+        "data.eval_samples, each up to its first answer: where the draft meets the user's own traffic), "
+        "`dataset:<id>` (an uploaded dataset: each conversation up to its first answer), or a path to a JSONL "
+        "file of prompts (not through the API).",
     )
     num_prompts: int = Field(default=40, ge=1, le=100_000, description="First N prompts of the set.")
 

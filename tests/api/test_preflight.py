@@ -119,3 +119,27 @@ def test_target_under_model_roots_must_be_a_model_folder(settings_factory: Any, 
                    headers=h)
         assert r.status_code == 200 and r.json()["valid"] is True, r.text
     assert _job_count(sim) == 0
+
+
+def _with_prompt_set(name: str) -> dict[str, Any]:
+    return {"preset": "tiny", "overrides": {"eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 2},
+                                                                     {"name": name, "num_prompts": 4}]}}}
+
+
+def test_an_uploaded_dataset_is_a_prompt_set_of_its_owner_only(client: TestClient, alice: dict, bob: dict,
+                                                                sim: Any) -> None:
+    """Issue 18 item 2: `dataset:<id>` in eval.prompt_sets is checked as a data source is (owned, ready)."""
+    ds = _upload(client, alice, ROWS)
+    ok = client.post("/v1/jobs?dry_run=true", json=_with_prompt_set(ds["path_ref"]), headers=alice)
+    assert ok.status_code == 200 and ok.json()["valid"] is True, ok.text
+    theirs = client.post("/v1/jobs", json=_with_prompt_set(ds["path_ref"]), headers=bob)
+    assert theirs.status_code == 422 and theirs.json()["error"]["param"] == "/eval/prompt_sets/1/name", theirs.text
+    assert "no dataset" in theirs.json()["error"]["details"][0]["message"]
+    validating = _insert_dataset(sim, "alice", "validating", {})
+    msg = _refused_both_ways(client, alice, _with_prompt_set(f"dataset:{validating}"), "/eval/prompt_sets/1/name")
+    assert "still being validated" in msg, msg
+    server_path = client.post("/v1/jobs", json=_with_prompt_set("/etc/passwd"), headers=alice)
+    assert server_path.status_code == 422 and "server paths are not accepted" in server_path.text
+    assert _job_count(sim) == 0
+    created = client.post("/v1/jobs", json=_with_prompt_set(ds["path_ref"]), headers=alice)
+    assert created.status_code == 201, created.text
