@@ -43,9 +43,12 @@ def _demo() -> dict[str, Any]:
         "checkpoints": {"every_steps": 120, "keep_last": 2, "select_best_by": "tau_sim"},
         # serve_check: the export is loaded in vLLM with parallel drafting when a vLLM venv is there
         # (`make vllm-env`); without one the phase is skipped with a warning.
-        # AL live: 2 prompts every 60 steps, the 8 prompts after training; with vLLM each measurement starts an
-        # engine (about 40 s on 2 cores), and the served speedup is timed for K = 1..4 in 2 rounds (about 5 min).
-        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 8}], "max_new_tokens": 64, "serve_check": True,
+        # AL live: 2 prompts every 60 steps, the 8 prompts after training, then also on 8 of the job's own
+        # held-out conversations (where the draft meets the data it was trained for); with vLLM each measurement
+        # starts an engine (about 40 s on 2 cores), and the served speedup is timed for K = 1..4 in 2 rounds
+        # (about 5 min).
+        "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 8}, {"name": "heldout", "num_prompts": 8}],
+                 "max_new_tokens": 64, "serve_check": True,
                  "al_every_steps": 60, "al_num_prompts": 2, "speedup_rounds": 2},
         "resources": {"gpus": 0, "device": "cpu", "capture": "offline"},
     }
