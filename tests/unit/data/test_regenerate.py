@@ -410,5 +410,8 @@ def test_regeneration_runs_under_a_running_event_loop(smollm2_tokenizer, tmp_pat
         return _run(smollm2_tokenizer, CONVS, _settings(), Scripted(smollm2_tokenizer, concurrent=True),
                     tmp_path / "loop")
 
-    res = asyncio.run(inside_a_loop())
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # a thread with no loop of its own yet
+        res = pool.submit(asyncio.run, inside_a_loop()).result()
     assert res.conversations == plain.conversations and res.reasons == plain.reasons
