@@ -3,39 +3,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from peagle.eval.serve_check import compare_reports, run_vllm_probe, vllm_python
+from peagle.eval.serve_check import compare_reports, run_vllm_probe
+from tests.cli.conftest import smollm2_and_draft
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 SMOL_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
 def smollm2_export(smollm2_path, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     from peagle.export.writer import export_draft
-    from peagle.model.draft import DraftConfig, PEagleDraft
-    from peagle.model.initialization import init_from_target
 
-    if vllm_python() is None:
-        # a built venv that is not found is a bug (it hid a wrong repo root once): never a skip
-        assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
-        pytest.skip("vLLM venv missing: run `make vllm-env` (builds .vllm-venv)")
-    target = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
-    n = target.config.num_hidden_layers
-    cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=4096, mask_token_id=49151,
-                                  aux_layer_ids=[2, n // 2, n - 3])  # fmt: skip
-    torch.manual_seed(0)
-    draft = PEagleDraft(cfg)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[:4096] = True
-    init_from_target(draft, target, t2d)
+    target, draft = smollm2_and_draft(smollm2_path, copy_layers=False)
     # the portable name a demo job's export carries; the probe maps it back to the builtin's folder
     out = export_draft(draft, tmp_path_factory.mktemp("vllm") / "export", num_speculative_tokens=3,
                        verifier_name_or_path=SMOL_HUB, verifier_architectures=["LlamaForCausalLM"])  # fmt: skip

@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from peagle.eval.serve_check import vllm_python
 from peagle.spec import parse_spec
 from peagle.train.progress import RecordingSink
+from tests.cli.conftest import smollm2_and_draft
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _spec(**eval_: Any) -> Any:
@@ -30,24 +28,7 @@ def _spec(**eval_: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from peagle.model.draft import DraftConfig, PEagleDraft
-    from peagle.model.initialization import init_from_target, init_layers_from_target
-
-    if vllm_python() is None:
-        assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
-        pytest.skip("vLLM venv missing: run `make vllm-env` (builds .vllm-venv)")
-    target = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
-    n = target.config.num_hidden_layers
-    cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=4096, mask_token_id=49151,
-                                  aux_layer_ids=[2, n // 2, n - 3])  # fmt: skip
-    torch.manual_seed(0)
-    draft = PEagleDraft(cfg)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[:4096] = True
-    init_from_target(draft, target, t2d)
-    init_layers_from_target(draft, target)
+    target, draft = smollm2_and_draft(smollm2_path, copy_layers=True)
     return target, draft.eval()
 
 
