@@ -329,18 +329,22 @@ class Supervisor:
             return spec, None
         with session_scope(self.factory) as s:
             files = dataset_files(s, self.lease.job_id, ids)
-        sources = []
-        for i, src in enumerate(spec.data.sources):
-            ds_id = dataset_id(src.path)
-            if ds_id is not None and ds_id not in files:
-                return spec, f"data.sources.{i}.path: dataset {ds_id!r} not found"
-            sources.append(src if ds_id is None else src.model_copy(update={"path": files[ds_id]}))
-        prompt_sets = []
-        for i, ps in enumerate(spec.eval.prompt_sets):
-            ds_id = dataset_id(ps.name)
-            if ds_id is not None and ds_id not in files:
-                return spec, f"eval.prompt_sets.{i}.name: dataset {ds_id!r} not found"
-            prompt_sets.append(ps if ds_id is None else ps.model_copy(update={"name": files[ds_id]}))
+
+        def local(items: list[Any], field: str, where: str) -> list[Any]:
+            """`items` with each `dataset:<id>` in `field` replaced by the file (KeyError names a missing one)."""
+            out = []
+            for i, item in enumerate(items):
+                ds_id = dataset_id(getattr(item, field))
+                if ds_id is not None and ds_id not in files:
+                    raise KeyError(f"{where}.{i}.{field}: dataset {ds_id!r} not found")
+                out.append(item if ds_id is None else item.model_copy(update={field: files[ds_id]}))
+            return out
+
+        try:
+            sources = local(spec.data.sources, "path", "data.sources")
+            prompt_sets = local(spec.eval.prompt_sets, "name", "eval.prompt_sets")
+        except KeyError as exc:
+            return spec, str(exc.args[0])
         self.redact = Redactor(self.settings, self.run_dir, {files[i]: i for i in ids if i in files})
         return spec.model_copy(update={"data": spec.data.model_copy(update={"sources": sources}),
                                        "eval": spec.eval.model_copy(update={"prompt_sets": prompt_sets})}), None

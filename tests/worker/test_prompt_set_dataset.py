@@ -43,3 +43,13 @@ def test_a_job_measures_al_on_an_uploaded_dataset(make_stack, tmp_path, tiny_tar
     seen = json.dumps([e.data for e in events] + [e.message for e in events]
                       + [r.message for r in stack.rows(JobLog, job_id)] + evaluations + [job.resolved_spec])
     assert f"dataset:{ds_id}" in seen and str(data) not in seen and "owner-a-secret" not in seen
+
+
+def test_a_prompt_set_dataset_that_is_gone_fails_the_job_naming_the_field(make_stack, spec_for):
+    stack = make_stack("embedded")
+    stack.start_worker()
+    spec = spec_for()
+    spec["eval"] = {**spec.get("eval", {}), "prompt_sets": [{"name": "dataset:ds_gone", "num_prompts": 2}]}
+    job = stack.wait_status(stack.submit(spec), "failed", "succeeded", timeout=60)
+    assert job.error_code == "data_invalid" and "eval.prompt_sets.0.name: dataset 'ds_gone' not found" in \
+        job.error_message, (job.error_code, job.error_message)
