@@ -81,15 +81,16 @@ class PromptSources:
     dataset_root: Path | None = None
 
 
-def prompt_ids(spec: TrainSpec, tok: Any, sources: PromptSources | None = None
+def prompt_ids(spec: TrainSpec, tok: Any, sources: PromptSources | None = None, *, first_only: bool = False
                ) -> list[tuple[str, list[list[int]]]]:
-    """(name, chat-templated token ids) of every `eval.prompt_sets` entry, in order (`prompt_set_ids`).
+    """(name, chat-templated token ids) of every `eval.prompt_sets` entry, in order (`prompt_set_ids`); only
+    the first one's with `first_only` (what the AL during training and the serve check measure).
 
     Raises:
         DataInvalidError: a set that cannot be read (the message names its `eval.prompt_sets` entry).
     """
     out: list[tuple[str, list[list[int]]]] = []
-    for i, ps in enumerate(spec.eval.prompt_sets):
+    for i, ps in enumerate(spec.eval.prompt_sets[:1] if first_only else spec.eval.prompt_sets):
         try:
             out.append((ps.name, prompt_set_ids(ps.name, ps.num_prompts, tok, sources)))
         except DataInvalidError as exc:
@@ -215,7 +216,7 @@ def al_hook(
         sources: the job's own prompt sets (`PromptSources`).
     """
     resolved = resolved_eval(spec)
-    prompts = prompt_ids(resolved, tok, sources)[0][1]
+    prompts = prompt_ids(resolved, tok, sources, first_only=True)[0][1]
     if resolved.checkpoints.select_best_by != ACCEPTANCE_LENGTH:
         prompts = prompts[: resolved.eval.al_num_prompts]
     engine = _engine(resolved, model, None)
@@ -418,7 +419,7 @@ def serve_check(
         sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")
         return None
     eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
-    name, prompts = prompt_ids(spec, tok, sources)[0]
+    name, prompts = prompt_ids(spec, tok, sources, first_only=True)[0]
     plan = _speedup_plan(spec, k, len(prompts))
     try:  # vLLM loads the folder the run trained against; the export names it portably
         res = measure_vllm(export_dir, {name: prompts}, max_new_tokens=spec.eval.max_new_tokens,
