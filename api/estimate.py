@@ -212,7 +212,8 @@ def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: 
     held_rows = math.ceil(spec.data.eval_samples * AVG_TOKENS_PER_ROW / o.pack_length)
     training = train_tokens / tps + evals * (1.0 + held_rows * o.pack_length / (3.0 * tps))
     generated = sum(p.num_prompts for p in spec.eval.prompt_sets) * spec.eval.max_new_tokens
-    serve = SERVE_CHECK_SECONDS if (spec.eval.serve_check or spec.eval.engine == "vllm") and serve_check_ready else 0
+    # the serve check follows the reference decoder; with vLLM measuring AL its speedup run replaces it
+    serve = SERVE_CHECK_SECONDS if spec.eval.serve_check and spec.eval.engine != "vllm" and serve_check_ready else 0
     regen = spec.data.regenerate
     regenerating = 0.0
     if regen.enabled is True:
@@ -225,7 +226,7 @@ def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: 
         capture = ENGINE_START_SECONDS[dev] + features / (VLLM_CAPTURE_TOKENS_PER_S[size][dev] * gpus)
     evaluating = generated / DECODE[(size, dev)]
     if spec.eval.engine == "vllm":  # resolved: AL measured by vLLM, one engine start per measurement
-        evaluating, serve, training = _vllm_eval_seconds(spec, size, dev, steps, training, generated)
+        evaluating, training = _vllm_eval_seconds(spec, size, dev, steps, training, generated)
     return {
         "preparing_data": LOAD_SECONDS[size] + read * PREP_PER_CONVERSATION,
         "regenerating": regenerating,
@@ -237,8 +238,8 @@ def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: 
 
 
 def _vllm_eval_seconds(spec: TrainSpec, size: str, dev: str, steps: int, training: float, generated: int
-                       ) -> tuple[float, float, float]:
-    """(evaluating, serve check, training incl. its AL measurements) when vLLM measures AL: an engine start
+                       ) -> tuple[float, float]:
+    """(evaluating, training incl. its AL measurements) when vLLM measures AL: an engine start
     per measurement (the AL during training: every `eval.al_every_steps` and at checkpoints), the prompts
     generated as one batch, and the serving speedup (`eval.speedup`: per K of the sweep an engine start and
     `speedup_rounds` rounds of both sides at batch 1 and at a batch of all prompts)."""
@@ -259,7 +260,7 @@ def _vllm_eval_seconds(spec: TrainSpec, size: str, dev: str, steps: int, trainin
         tokens = n * e.max_new_tokens
         per_round = 2 * (tokens / one + tokens / batch) + sum(2 * tokens / batch for _ in e.speedup_batch_sizes)
         evaluating += (ks + 1) * start + ks * e.speedup_rounds * per_round
-    return evaluating, 0.0, training
+    return evaluating, training
 
 
 def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:

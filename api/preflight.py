@@ -108,13 +108,13 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
     if target is not None:
         out.problems.append({"param": "/target/model", "message": target})
     out.problems += _engine_problems(spec, vllm_available)
-    # (param, `dataset:<id>`, rows skipped) of every uploaded dataset the spec names: sources and prompt sets
-    named = [(f"/data/sources/{i}/path", src.path, src.skip) for i, src in enumerate(spec.data.sources)]
-    named += [(f"/eval/prompt_sets/{i}/name", ps.name, 0) for i, ps in enumerate(spec.eval.prompt_sets)]
-    ids = {ds_id for _, ref, _ in named if (ds_id := dataset_id(ref)) is not None}
+    # (param, `dataset:<id>`, rows skipped, is a data source) of every dataset ref: sources and prompt sets
+    named = [(f"/data/sources/{i}/path", src.path, src.skip, True) for i, src in enumerate(spec.data.sources)]
+    named += [(f"/eval/prompt_sets/{i}/name", ps.name, 0, False) for i, ps in enumerate(spec.eval.prompt_sets)]
+    ids = {ds_id for _, ref, _, _ in named if (ds_id := dataset_id(ref)) is not None}
     owned = {ds.id: ds for ds in session.scalars(
         sa.select(Dataset).where(Dataset.id.in_(ids), Dataset.owner_id == owner_id))} if ids else {}
-    for param, ref, skip in named:
+    for param, ref, skip, is_source in named:
         ds_id = dataset_id(ref)
         if ds_id is None:
             continue
@@ -123,7 +123,7 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
             out.problems.append({"param": param, "message": f"no dataset {ds_id!r}"})
             out.forbidden = True
             continue
-        if param.startswith("/data/"):
+        if is_source:  # the data funnel of the estimate reads the sources' reports
             out.reports[ref] = ds.report or {}
         problem = _dataset_problem(ds, skip)
         if problem is not None:

@@ -36,7 +36,7 @@ import torch
 
 from peagle.errors import TargetLoadError
 from peagle.fileio import atomic_write_json
-from peagle.spec import TrainSpec
+from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.targets import portable_verifier
 from peagle.train.heartbeat import ProgressLog
 from peagle.train.progress import ProgressSink
@@ -240,7 +240,8 @@ def run_pipeline(
         _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
     vocab = prepared.vocab
     # the `heldout` prompt set (held-out conversations up to their answer) and uploaded prompt sets
-    sources = PromptSources(document_prompts(prepared.eval), dataset_root)
+    heldout = any(ps.name == HELDOUT_PROMPT_SET for ps in spec.eval.prompt_sets)
+    sources = PromptSources(document_prompts(prepared.eval) if heldout else [], dataset_root)
 
     _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
     # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation

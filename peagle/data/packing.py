@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "document_prompts", "pack_documents", "shift_features", "shift_rows"]
+__all__ = ["PackedRows", "document_prompts", "document_spans", "pack_documents", "shift_features", "shift_rows"]
 
 
 @dataclass
@@ -149,13 +149,27 @@ def document_prompts(rows: PackedRows) -> list[list[int]]:
     """
     out: list[list[int]] = []
     for r in range(len(rows)):
-        ids, mask, doc = rows.input_ids[r].tolist(), rows.loss_mask[r].tolist(), rows.document_ids[r].tolist()
-        start = 0
-        for i in range(1, len(doc) + 1):
-            if i == len(doc) or doc[i] != doc[start]:
-                if doc[start] >= 0:
-                    first = next((j for j in range(start, i) if mask[j]), None)
-                    if first is not None and first > start:
-                        out.append(ids[start:first])
-                start = i
+        ids, mask = rows.input_ids[r].tolist(), rows.loss_mask[r].tolist()
+        for start, end in document_spans(rows.document_ids[r]):
+            first = next((j for j in range(start, end) if mask[j]), None)
+            if first is not None and first > start:
+                out.append(ids[start:first])
     return out
+
+
+def document_spans(document_ids: Tensor) -> list[tuple[int, int]]:
+    """[(start, end)] of the documents of one packed row (document_ids [T], -1 = padding), in order.
+
+    >>> document_spans(torch.tensor([0, 0, 1, 1, 1, -1]))
+    [(0, 2), (2, 5)]
+    """
+    spans: list[tuple[int, int]] = []
+    ids = document_ids.tolist()
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            if ids[start] >= 0:
+                spans.append((start, i))
+            start = i
+    return spans
+

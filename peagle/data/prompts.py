@@ -12,15 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from peagle.data.formats import IngestReport, iter_rows
+from peagle.data.template import generation_prompt_ids
 
 __all__ = ["dataset_prompts"]
-
-
-def _template(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 def dataset_prompts(path: str | Path, tokenizer: Any, num_prompts: int, *, format: str = "auto"
@@ -42,7 +36,7 @@ def dataset_prompts(path: str | Path, tokenizer: Any, num_prompts: int, *, forma
             first = next((i for i, m in enumerate(row.messages) if m["role"] == "assistant"), None)
             turns = row.messages[:first] if first is not None else row.messages
             if turns and turns[-1]["role"] == "user":
-                out.append(_template(tokenizer, turns))
+                out.append(generation_prompt_ids(tokenizer, turns))
         elif row.input_ids is not None and row.loss_mask is not None:
             start = next((i for i, m in enumerate(row.loss_mask) if m), None)
             if start:

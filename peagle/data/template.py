@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Encoded", "drop_think", "render", "tokenize_conversation", "tokenize_many"]
+__all__ = ["Encoded", "drop_think", "generation_prompt_ids", "render", "tokenize_conversation", "tokenize_many"]
 
 _THINK = re.compile(r"<think>.*?(?:</think>\s*|$)", re.DOTALL)
 
@@ -45,6 +45,18 @@ def render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_pro
     """The target tokenizer's own chat template, as text."""
     out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return out if isinstance(out, str) else str(out)
+
+
+def generation_prompt_ids(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
+    """`turns` through the tokenizer's chat template with the generation prompt (what a server is sent for
+    the next answer), as token ids; a tokenizer without a chat template gets the turns' text as it is."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer("".join(m["content"] for m in turns))["input_ids"]
+    return [int(i) for i in ids]
 
 
 def _common_prefix(a: str, b: str) -> int:

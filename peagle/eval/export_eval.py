@@ -119,7 +119,7 @@ def run_eval(
 
     from peagle.builtin import local_verifier
     from peagle.errors import TargetLoadError
-    from peagle.eval.job import prompt_set_ids
+    from peagle.eval.job import PromptSources, prompt_set_ids
     from peagle.eval.reference import evaluate_prompts
     from peagle.eval.serve_check import compare_reports, measure_vllm
     from peagle.export.writer import (
@@ -147,8 +147,9 @@ def run_eval(
         tok = AutoTokenizer.from_pretrained(str(tpath))
     except (OSError, ValueError) as exc:
         raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
-    sets = {name: run_heldout_prompts(export_dir, num_prompts) if name == HELDOUT_PROMPT_SET
-            else prompt_set_ids(name, num_prompts, tok) for name in names}  # fmt: skip
+    sources = PromptSources(heldout=run_heldout_prompts(export_dir, num_prompts)) \
+        if HELDOUT_PROMPT_SET in names else None
+    sets = {name: prompt_set_ids(name, num_prompts, tok, sources) for name in names}
     first = names[0]
     out: dict[str, Any] = {"prompts": first, "num_prompts": len(sets[first]), "max_new_tokens": max_new_tokens}
     ref: dict[str, dict[str, Any]] = {}

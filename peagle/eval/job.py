@@ -312,7 +312,6 @@ def evaluate_export(
     elif sets:
         from peagle.eval.serve_check import measure_vllm
 
-        plan = _speedup_plan(resolved, k, len(sets[0][1]))
         def measure(plan: Any) -> dict[str, Any]:
             return measure_vllm(ckpt, dict(sets), max_new_tokens=resolved.eval.max_new_tokens,
                                 num_speculative_tokens=k, speedup=plan, verifier=target_path)

@@ -382,18 +382,9 @@ def sharegpt_first_turns(path: Path, num_prompts: int) -> list[str]:
 
 def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Each text as one user message through the chat template (+ generation prompt); raw if no template."""
-    out: list[list[int]] = []
-    for text in texts:
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer(text)["input_ids"]
-        out.append([int(i) for i in ids])
-    return out
+    from peagle.data.template import generation_prompt_ids
+
+    return [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,28 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from peagle.data.packing import document_spans
 from peagle.engine.aio import run_sync
 from peagle.errors import EngineError
 from peagle.target.parts import final_norm
 
 __all__ = ["VllmCapture", "document_spans"]
-
-
-def document_spans(document_ids: Tensor) -> list[tuple[int, int]]:
-    """[(start, end)] of the documents of one packed row (document_ids [T], -1 = padding), in order.
-
-    >>> document_spans(torch.tensor([0, 0, 1, 1, 1, -1]))
-    [(0, 2), (2, 5)]
-    """
-    spans: list[tuple[int, int]] = []
-    ids = document_ids.tolist()
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[start]:
-            if ids[start] >= 0:
-                spans.append((start, i))
-            start = i
-    return spans
 
 
 def _read_states(path: str) -> dict[str, Tensor]:
