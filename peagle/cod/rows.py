@@ -76,7 +76,8 @@ class FlatRow:
             target logits z' and (depth 0) the row of the aux features g'.
         input_ids: `[N]` int64 draft input token: ids'[o_e] at depth 0, mask_token_id at depth >= 1.
         is_masked: `[N]` bool, depth >= 1 (aux input = `mask_hidden` instead of g'[o_e]).
-        weight: `[N]` float32 supervision weight loss_mask'[o_e] (0 on padding; depth >= 1 always 1).
+        weight: `[N]` float32 supervision weight loss_mask'[o_e] * depth_decay**d_e (0 on padding; a depth >= 1
+            element is always supervised).
         doc: `[N]` int64 document id of the anchor (-1 = padding).
     """
 
@@ -108,6 +109,7 @@ def build_flat_row(
     anchor_pos: Tensor,
     depth: Tensor,
     mask_token_id: int,
+    depth_decay: float = 1.0,
 ) -> FlatRow:
     """Assemble the flat COD input of one row (docs/algorithm.md 1.8).
 
@@ -118,12 +120,17 @@ def build_flat_row(
         anchor_pos: `[N]` int64 from `peagle.cod.sampling.sample_cod`.
         depth: `[N]` int64 from `peagle.cod.sampling.sample_cod`.
         mask_token_id: token id placed in every masked (depth >= 1) slot.
+        depth_decay: gamma in (0, 1]; a depth-d element's weight is multiplied by gamma**d
+            (docs/decisions.md decision 15; 1 = the count-normalised loss of speculators and NeMo).
 
     Returns:
         The `FlatRow`. Worked example: T=4, ids' = [10, 11, 12, 13], m' = [0, 1, 1, 1], elements
         (a, d) = (0,0) (1,0) (2,0) (3,0) (1,1) (2,1) (1,2), mask id 99 ->
-        ref_pos [0,1,2,3,2,3,3], input_ids [10,11,12,13,99,99,99], weight [0,1,1,1,1,1,1].
+        ref_pos [0,1,2,3,2,3,3], input_ids [10,11,12,13,99,99,99], weight [0,1,1,1,1,1,1];
+        with depth_decay 0.5 the weights are [0,1,1,1,0.5,0.5,0.25].
     """
+    if not 0.0 < depth_decay <= 1.0:
+        raise ValueError(f"depth_decay must be in (0, 1], got {depth_decay}")
     ids = input_ids.reshape(-1)  # [T]
     lm = loss_mask.reshape(-1)  # [T]
     t = ids.numel()
@@ -141,6 +148,8 @@ def build_flat_row(
     tok = torch.where(is_masked, torch.full_like(ref, mask_token_id), ids[ref].long())  # [N]
     doc = doc_t[anchor]  # [N]
     weight = (lm[ref] != 0).to(torch.float32) * (doc >= 0).to(torch.float32)  # [N]
+    if depth_decay != 1.0:
+        weight = weight * torch.pow(torch.tensor(depth_decay, dtype=torch.float32, device=weight.device), dep)
     return FlatRow(anchor, dep, ref, tok, is_masked, weight, doc)
 
 

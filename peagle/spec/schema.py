@@ -232,6 +232,14 @@ class PEagleSpec(_Strict):
         default=1, ge=1, le=64, description="S: forward+backward per segment with exact gradients."
     )
     gradient_checkpointing: bool = Field(default=False, description="Recompute draft layers in backward.")
+    depth_decay: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="gamma: a depth-d element's loss weight is gamma**d (the loss stays a weighted mean); 1 = "
+        "every COD element counts the same (speculators, NeMo). Below 1 the draft spends more of its capacity "
+        "on the early depths that decide most of the acceptance length (docs/decisions.md decision 15).",
+    )
 
 
 class OptimSpec(_Strict):

@@ -129,6 +129,7 @@ class Trainer:
             attention=select_attention(self.device, r.attention),
             autocast_dtype=torch.bfloat16 if bf16 else None,
             seed=o.seed,
+            depth_decay=p.depth_decay,
             release_memory=p.sequence_partitions > 1,  # partitioning = trading time for memory
         )
         draft.set_trainable(freeze_embeddings=spec.draft.freeze_embeddings, freeze_lm_head=spec.draft.freeze_lm_head)

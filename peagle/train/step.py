@@ -98,6 +98,7 @@ class StepSettings:
     attention: AttentionBackend  # SDPA (dense mask) or FLEX (BlockMask); a plain "sdpa" / "flex" is converted
     autocast_dtype: torch.dtype | None  # bf16 on CUDA, None = fp32
     seed: int
+    depth_decay: float = 1.0  # gamma: a depth-d element's loss weight is gamma**d (`build_flat_row`)
     # CPU: give the heap's free pages back to the OS after every unit's backward (`release_free_memory`)
     release_memory: bool = False
 
@@ -205,7 +206,7 @@ def plan_rows(
         rows.append(
             build_flat_row(
                 batch["input_ids"][b], batch["loss_mask"][b], batch["document_ids"][b], anchor, depth,
-                settings.mask_token_id,
+                settings.mask_token_id, settings.depth_decay,
             )
         )
     return rows

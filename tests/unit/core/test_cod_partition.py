@@ -73,6 +73,15 @@ def test_build_flat_row_example() -> None:
         build_flat_row(_t([1, 2]), _t([1, 1]), None, _t([0, 1, 1]), _t([0, 0, 1]), mask_token_id=9)
 
 
+def test_depth_decay_weights_deeper_elements() -> None:
+    a, d = _t([0, 1, 2, 3, 1, 2, 1]), _t([0, 0, 0, 0, 1, 1, 2])
+    row = build_flat_row(_t([10, 11, 12, 13]), _t([0, 1, 1, 1]), None, a, d, mask_token_id=99, depth_decay=0.5)
+    assert row.weight.tolist() == [0, 1, 1, 1, 0.5, 0.5, 0.25]  # an unsupervised element stays at 0
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="depth_decay"):
+            build_flat_row(_t([10, 11]), _t([1, 1]), None, _t([0]), _t([0]), mask_token_id=99, depth_decay=bad)
+
+
 @st.composite
 def packed(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     lengths = draw(st.lists(st.integers(1, 10), min_size=1, max_size=3))

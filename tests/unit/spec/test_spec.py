@@ -63,6 +63,16 @@ def test_layer_init_choices() -> None:
     assert p.path == "draft.layer_init" and "random" in p.message
 
 
+def test_depth_decay_range() -> None:
+    assert parse_spec(MIN).peagle.depth_decay == 1.0  # the count-normalised loss unless asked
+    assert parse_spec({**MIN, "peagle": {"depth_decay": 0.5}}).peagle.depth_decay == 0.5
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(SpecInvalidError) as ei:
+            parse_spec({**MIN, "peagle": {"depth_decay": bad}})
+        [p] = ei.value.problems
+        assert p.path == "peagle.depth_decay", bad
+
+
 def test_unknown_field_is_rejected_with_its_path() -> None:
     with pytest.raises(SpecInvalidError) as ei:
         parse_spec({**MIN, "peagle": {"num_depth": 4}})

@@ -213,3 +213,8 @@ def test_release_free_memory_runs_on_glibc() -> None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("malloc_trim is glibc's")
     assert release_free_memory() is True
+
+
+def test_trainer_takes_depth_decay_from_the_spec() -> None:
+    assert Trainer(tiny_spec(peagle={"depth_decay": 0.5}), tiny_draft(), tiny_source()).settings.depth_decay == 0.5
+    assert Trainer(tiny_spec(), tiny_draft(), tiny_source()).settings.depth_decay == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -105,6 +106,34 @@ def test_mask_hidden_gets_finite_nonzero_grad_when_k_ge_2() -> None:
     assert g.shape == (1, 1, 96) and torch.isfinite(g).all() and g.abs().sum() > 0
     _, grads1, _ = _loss_and_grads(draft, _settings(1, num_depths=1), batch)
     assert torch.count_nonzero(grads1["mask_hidden"]) == 0  # in the graph, but no masked slot
+
+
+def test_depth_decay_reaches_the_step() -> None:
+    """gamma = 0.5 through `StepSettings`: each depth's charged weight is gamma**d times the plain count, the
+    per-depth accuracies stay the same, and with K = 2 (only depth-1 slots read `mask_hidden`) the
+    unnormalised mask_hidden gradient is exactly gamma times the plain one; partitioning stays exact."""
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+
+    def run(gamma: float, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        settings = dataclasses.replace(_settings(segments, num_depths=2), depth_decay=gamma)
+        draft.zero_grad(set_to_none=True)
+        rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+        m = run_micro_batch(DraftObjective(draft, 2, None), draft, batch, rows, settings, scale=1.0)
+        return m.acc_sum, m.acc_total, m.loss_sum, _dense(draft.mask_hidden.grad)
+
+    hit1, tot1, loss1, g1 = run(1.0)
+    hit5, tot5, loss5, g5 = run(0.5)
+    scale = torch.tensor([1.0, 0.5], dtype=tot1.dtype)
+    torch.testing.assert_close(tot5, tot1 * scale)
+    torch.testing.assert_close(hit5 / tot5, hit1 / tot1)
+    assert float(loss5) < float(loss1)
+    assert g1.abs().sum() > 0
+    torch.testing.assert_close(g5, 0.5 * g1, rtol=1e-5, atol=1e-9)
+    _, tot5s, loss5s, g5s = run(0.5, segments=3)
+    torch.testing.assert_close(tot5s, tot5)
+    assert float(loss5s) == pytest.approx(float(loss5), rel=1e-5)
+    torch.testing.assert_close(g5s, g5, rtol=1e-4, atol=1e-8)
 
 
 def test_zero_backward_when_nothing_is_supervised() -> None:
