@@ -31,9 +31,9 @@ def _demo() -> dict[str, Any]:
             "regenerate": {"enabled": "auto", "max_new_tokens": 256, "batch_size": 64, "on_length": "keep"},
         },
         "draft": {"num_layers": 1, "draft_vocab_size": 8192},
-        # depth_decay 0.5: at this size the depths after a mask slot accept about 1-5% of the time, and the
-        # loss they take from depth 0 costs more AL than they add (docs/decisions.md decision 15)
-        "peagle": {"num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2, "depth_decay": 0.5},
+        # depth_decay 0.1: at this size a token after a mask slot is accepted 1-2% of the time, and the loss
+        # the deeper depths take from depth 0 costs more AL than they add (docs/decisions.md decision 15)
+        "peagle": {"num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2, "depth_decay": 0.1},
         "optim": {
             "lr": 1e-3,
             "epochs": 1,
