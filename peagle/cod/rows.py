@@ -59,6 +59,7 @@ __all__ = [
     "plan_segments",
     "segment_row",
     "subset_row",
+    "weight_sum",
 ]
 
 
@@ -147,9 +148,8 @@ def build_flat_row(
     is_masked = dep > 0  # [N]
     tok = torch.where(is_masked, torch.full_like(ref, mask_token_id), ids[ref].long())  # [N]
     doc = doc_t[anchor]  # [N]
-    weight = (lm[ref] != 0).to(torch.float32) * (doc >= 0).to(torch.float32)  # [N]
-    if depth_decay != 1.0:
-        weight = weight * torch.pow(torch.tensor(depth_decay, dtype=torch.float32, device=weight.device), dep)
+    # gamma**d is exactly 1.0 everywhere when gamma = 1: the plain count-normalised weights, bit for bit
+    weight = (lm[ref] != 0).to(torch.float32) * (doc >= 0).to(torch.float32) * depth_decay ** dep.float()  # [N]
     return FlatRow(anchor, dep, ref, tok, is_masked, weight, doc)
 
 
@@ -214,10 +214,18 @@ def loss_denominator(rows: Sequence[FlatRow]) -> Tensor:
 
     Pass the full rows (not segment rows). Scalar float32 tensor on the rows' device.
     """
+    return weight_sum(rows).clamp_min(LOSS_EPS)
+
+
+def weight_sum(rows: Sequence[FlatRow]) -> Tensor:
+    """Total supervision weight of (rank-local) rows: float32 scalar, unclamped (0 when none).
+
+    Under DDP the micro-batch denominator is the SUM of this over ranks, clamped >= `LOSS_EPS`
+    (`loss_denominator` for a single process).
+    """
     if not rows:
-        return torch.tensor(LOSS_EPS)
-    total = torch.stack([r.weight.sum() for r in rows]).sum()
-    return total.clamp_min(LOSS_EPS)
+        return torch.zeros(())
+    return torch.stack([r.weight.sum() for r in rows]).sum()
 
 
 def mask_for(row: FlatRow, *, pad_self: bool = True) -> Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from peagle.cod.loss import LOSS_EPS, CodMetrics
+from peagle.cod.rows import weight_sum
 from peagle.errors import TrainingInterrupted
 from peagle.model.attention import select_attention
 from peagle.model.draft import PEagleDraft
@@ -46,7 +47,6 @@ from peagle.train.step import (
     StepTimes,
     plan_rows,
     run_micro_batch,
-    weight_sum,
 )
 
 __all__ = ["TrainResult", "Trainer", "resolve_device"]

@@ -79,7 +79,6 @@ __all__ = [
     "release_free_memory",
     "run_micro_batch",
     "sparse_embedding_grad",
-    "weight_sum",
 ]
 
 EVAL_EPOCH = 1_000_000  # COD key of held-out batches: the same draw at every evaluation
@@ -522,14 +521,3 @@ def run_micro_batch(
             if backward and settings.release_memory and device.type == "cpu":
                 release_free_memory()
     return metrics
-
-
-def weight_sum(rows: list[FlatRow]) -> Tensor:
-    """Total supervision weight of (rank-local) rows: float32 scalar, unclamped (0 when none).
-
-    The micro-batch denominator is the SUM of this over ranks, clamped >= `LOSS_EPS`
-    (`peagle.cod.rows.loss_denominator` for a single process).
-    """
-    if not rows:
-        return torch.zeros(())
-    return torch.stack([r.weight.sum() for r in rows]).sum()
