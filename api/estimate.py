@@ -197,15 +197,19 @@ def _steps(spec: TrainSpec, packed_rows: int) -> int:
     return min(steps, o.max_steps) if o.max_steps is not None else steps
 
 
-def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: bool = True) -> dict[str, float]:
-    """The calibrated model: seconds per `PHASE_GROUPS` phase of `spec` reading `read` rows, `steps` steps."""
+def model_seconds(
+    spec: TrainSpec, *, read: int, steps: int, packed_rows: int, serve_check_ready: bool = True
+) -> dict[str, float]:
+    """The calibrated model: seconds per `PHASE_GROUPS` phase of `spec` reading `read` rows, `steps` steps
+    over `packed_rows` training rows (offline capture forwards each row once, whatever the epochs)."""
     size, dev = _size_class(spec.target.model), device_class(spec)
     gpus = max(1, spec.resources.gpus)
     o = spec.optim
     step_tokens = o.pack_length * o.micro_batch_size * o.grad_accumulation
     tps = THROUGHPUT[(size, dev)] * gpus
     train_tokens = steps * step_tokens
-    capture = 0.0 if spec.resources.capture == "online" else train_tokens / (3.0 * tps)
+    captured_tokens = packed_rows * o.pack_length
+    capture = 0.0 if spec.resources.capture == "online" else captured_tokens / (3.0 * tps)
     # held-out evals (at checkpoints or every eval.every_steps) forward the eval rows: about one step each
     every = spec.eval.every_steps or spec.checkpoints.every_steps
     evals = math.ceil(steps / every) if steps else 0
@@ -222,7 +226,7 @@ def model_seconds(spec: TrainSpec, *, read: int, steps: int, serve_check_ready: 
         regenerating = new_tokens / (REGEN_TOKENS_PER_S[(engine, size, dev)] * gpus)
         regenerating += ENGINE_START_SECONDS[dev] if engine == "vllm" else 0.0
     if spec.resources.target_engine == "vllm":
-        features = train_tokens if spec.resources.capture == "offline" else 0  # online: streamed in training
+        features = captured_tokens if spec.resources.capture == "offline" else 0  # online: streamed in training
         capture = ENGINE_START_SECONDS[dev] + features / (VLLM_CAPTURE_TOKENS_PER_S[size][dev] * gpus)
     evaluating = generated / DECODE[(size, dev)]
     if spec.eval.engine == "vllm":  # resolved: AL measured by vLLM, one engine start per measurement
@@ -267,7 +271,8 @@ def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:
     """Per phase, measured / modelled seconds of each earlier job (phases it did not run are left out)."""
     out: dict[str, list[float]] = {k: [] for k in PHASE_GROUPS}
     for m in history:
-        modelled = model_seconds(m.spec, read=_data_funnel(m.spec, {}, [])[READ], steps=m.steps)
+        fun = _data_funnel(m.spec, {}, [])
+        modelled = model_seconds(m.spec, read=fun[READ], steps=m.steps, packed_rows=fun["packed_rows"] or 0)
         for phase, secs in m.phase_seconds.items():
             if phase in out and modelled.get(phase, 0.0) > 0.5 and secs > 0:
                 out[phase].append(secs / modelled[phase])
@@ -306,7 +311,7 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         hidden_bytes = min(dump, int(spec.resources.feature_disk_gb * 1e9))
     else:
         hidden_bytes = 0
-    phases = model_seconds(spec, read=fun[READ], steps=steps)
+    phases = model_seconds(spec, read=fun[READ], steps=steps, packed_rows=fun["packed_rows"] or 0)
     ratios = phase_ratio(history)
     spreads: list[float] = []
     for phase, rs in ratios.items():

@@ -12,7 +12,10 @@ shards, optimizer, steps and seed.
 
 Runs live in .peagle/bench/method/runs/<spec hash>/ (a variant whose spec equals another's shares its run;
 a finished, measured run is never retrained; delete the folder to redo it); the data directory is
-.peagle/bench/method/data (prepared by the first run when missing: regeneration and capture in vLLM).
+.peagle/bench/method/data (prepared by the first run when missing: regeneration and capture in vLLM). A
+variant that changes the `data` section (more conversations) or the packing has its own,
+.peagle/bench/method/data-<hash>, prepared by its first run the same way (answers already regenerated come
+from the regeneration cache); it is then paired on the seed and the conversations, not on the rows.
 One training or one evaluation at a time.
 
     .venv/bin/python -m bench.bench_method [--variants baseline,peer] [--variants all] [--list]
@@ -78,11 +81,16 @@ VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "anchors_256": ("peagle.max_anchors", 256, {"peagle.max_anchors": 256}),
     "anchors_128": ("peagle.max_anchors", 128, {"peagle.max_anchors": 128}),
     "layers_2": ("draft.num_layers", 2, {"draft.num_layers": 2}),
+    "epochs_1": ("optim.epochs (the demo before: 240 steps)", 1, {"optim.epochs": 1, "optim.max_steps": 240}),
     "epochs_2": ("optim.epochs (2x steps)", 2, {"optim.epochs": 2, "optim.max_steps": 480}),
     "epochs_4": ("optim.epochs (4x steps)", 4, {"optim.epochs": 4, "optim.max_steps": 960}),
     "epochs_8": ("optim.epochs (8x steps)", 8, {"optim.epochs": 8, "optim.max_steps": 1920}),
     "wd_01": ("optim.weight_decay", 0.1, {"optim.weight_decay": 0.1}),
     "frozen_head": ("draft.freeze_lm_head", True, {"draft.freeze_lm_head": True}),
+    "frozen_embed": ("draft.freeze_embeddings", True, {"draft.freeze_embeddings": True}),
+    "data_2x": ("data.sources max_samples (1 epoch, 2x steps)", 1280,
+                {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1280}], "optim.epochs": 1,
+                 "optim.max_steps": 480}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }
 DEFAULT_VARIANTS = "baseline,peer"
@@ -111,16 +119,29 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def link_data(run: Path) -> None:
+def _data_key(spec: dict[str, Any]) -> dict[str, Any]:
+    """What the prepared rows and their feature shards depend on, of what a variant may change."""
+    return {"data": spec["data"], "pack": [spec["optim"]["pack_length"], spec["optim"]["seed"]]}
+
+
+def data_dir(spec: dict[str, Any]) -> Path:
+    """The shared data directory of `spec`: DATA for the preset's data and packing, else one per key."""
+    key = _data_key(spec)
+    if key == _data_key(variant_spec({})):
+        return DATA
+    return BASE / f"data-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def link_data(run: Path, data: Path = DATA) -> None:
     """RUN/data = the shared data directory: small files copied, feature shards linked (nothing is written
     through a link, so runs cannot change each other's data)."""
     dst = run / "data"
     if dst.exists():
         return
-    for src in sorted(DATA.rglob("*")):
-        if src.is_dir() or ".engine" in src.relative_to(DATA).parts[:-1] or src.parent.name == "stream":
+    for src in sorted(data.rglob("*")):
+        if src.is_dir() or ".engine" in src.relative_to(data).parts[:-1] or src.parent.name == "stream":
             continue
-        out = dst / src.relative_to(DATA)
+        out = dst / src.relative_to(data)
         out.parent.mkdir(parents=True, exist_ok=True)
         if src.suffix == ".safetensors" and src.parent.parent.name == "features":
             out.symlink_to(src.resolve())
@@ -154,9 +175,10 @@ def train(name: str, spec: dict[str, Any]) -> Path:
         return run
     run.mkdir(parents=True, exist_ok=True)
     (run / "spec.json").write_text(json.dumps(spec, indent=1))
-    fresh_data = not (DATA / "prepared.pt").exists()
+    data = data_dir(spec)
+    fresh_data = not (data / "prepared.pt").exists()
     if not fresh_data:
-        link_data(run)
+        link_data(run, data)
     print(f"==> training {name} into {run.relative_to(ROOT)}", flush=True)
     load0, t0, cpu0 = os.getloadavg(), time.time(), _child_cpu()
     with (run / "train.log").open("a") as log:
@@ -166,7 +188,7 @@ def train(name: str, spec: dict[str, Any]) -> Path:
              "load_average": [load0, os.getloadavg()]}
     (run / "bench_train.json").write_text(json.dumps(facts))
     if fresh_data:  # the first run prepared the data every later run reuses
-        shutil.copytree(run / "data", DATA, symlinks=True, ignore=shutil.ignore_patterns(".engine", "stream"))
+        shutil.copytree(run / "data", data, symlinks=True, ignore=shutil.ignore_patterns(".engine", "stream"))
     else:
         logs = _log_lines(run)
         if not any("prepared data reloaded" in m for m in logs) or any("capture engine" in m for m in logs):

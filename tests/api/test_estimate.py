@@ -65,3 +65,19 @@ def test_estimate_follows_measured_jobs(client: TestClient, alice: dict, sim: Si
     # another device class learns nothing from them
     gpu = _dry(client, alice, overrides={"resources": {"gpus": 1, "device": "cuda"}})
     assert gpu["basis"] == "model"
+
+
+def test_offline_capture_is_estimated_once_whatever_the_epochs() -> None:
+    # the demo trains 4 epochs over features captured once: capture time must not scale with the epochs
+    from api.estimate import estimate
+    from peagle.spec import parse_spec, preset
+
+    def phases(epochs: int) -> dict[str, float]:
+        data = preset("demo").model_dump(mode="json")
+        data["optim"].update(epochs=epochs, max_steps=None)
+        data["resources"]["target_engine"] = "vllm"
+        return dict(estimate(parse_spec(data), dataset_rows={}, queue="q", queue_position=0)["phase_seconds"])
+
+    one, four = phases(1), phases(4)
+    assert one["capturing"] > 0 and four["capturing"] == one["capturing"]
+    assert four["training"] > 3 * one["training"]

@@ -22,7 +22,7 @@ def _tiny(**eval_: Any) -> TrainSpec:
 
 
 def test_spec_fields_are_checked() -> None:
-    assert preset("demo").eval.al_every_steps == 60 and preset("tiny").eval.al_every_steps is None
+    assert preset("demo").eval.al_every_steps == 240 and preset("tiny").eval.al_every_steps is None
     data = preset("tiny").model_dump(mode="json")
     data["eval"].update(prompt_sets=[], al_every_steps=5)
     with pytest.raises(Exception, match=r"eval\.al_every_steps: needs at least one eval\.prompt_sets entry"):
