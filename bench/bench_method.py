@@ -13,7 +13,7 @@ shards, optimizer, steps and seed.
 Runs live in .peagle/bench/method/runs/<spec hash>/ (a variant whose spec equals another's shares its run;
 a finished, measured run is never retrained; delete the folder to redo it); the data directory is
 .peagle/bench/method/data (prepared by the first run when missing: regeneration and capture in vLLM). A
-variant that changes the `data` section (more conversations) or the packing has its own,
+variant that changes its prepared data (more conversations, the packing, the vocabulary) has its own,
 .peagle/bench/method/data-<hash>, prepared by its first run the same way (answers already regenerated come
 from the regeneration cache); it is then paired on the seed and the conversations, not on the rows.
 One training or one evaluation at a time.
@@ -119,17 +119,16 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _data_key(spec: dict[str, Any]) -> dict[str, Any]:
-    """What the prepared rows and their feature shards depend on, of what a variant may change."""
-    return {"data": spec["data"], "pack": [spec["optim"]["pack_length"], spec["optim"]["seed"]]}
-
-
 def data_dir(spec: dict[str, Any]) -> Path:
-    """The shared data directory of `spec`: DATA for the preset's data and packing, else one per key."""
-    key = _data_key(spec)
-    if key == _data_key(variant_spec({})):
+    """The shared data directory of `spec`: DATA when its prepared data is the preset's (the pipeline's own
+    `data_cache_key`: target, data, vocabulary, packing), else one per key."""
+    from peagle.data.prepare import data_cache_key
+    from peagle.spec import parse_spec
+
+    key = data_cache_key(parse_spec(spec))
+    if key == data_cache_key(parse_spec(variant_spec({}))):
         return DATA
-    return BASE / f"data-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+    return BASE / f"data-{key[:12]}"
 
 
 def link_data(run: Path, data: Path = DATA) -> None:
