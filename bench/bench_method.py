@@ -85,6 +85,12 @@ VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "epochs_2": ("optim.epochs (2x steps)", 2, {"optim.epochs": 2, "optim.max_steps": 480}),
     "epochs_4": ("optim.epochs (4x steps)", 4, {"optim.epochs": 4, "optim.max_steps": 960}),
     "epochs_8": ("optim.epochs (8x steps)", 8, {"optim.epochs": 8, "optim.max_steps": 1920}),
+    # depth_decay 0.1 leaves depths >= 2 about 0.5% of the loss but about a third of the COD elements a step
+    # computes: 2 trained depths (served at 4) buy more passes in the same CPU time
+    "d2_epochs_6": ("num_depths 2 (served 4), epochs 6: the baseline's compute", 6,
+                    {"peagle.num_depths": 2, "optim.epochs": 6, "optim.max_steps": 1440}),
+    "d2_epochs_8": ("num_depths 2 (served 4), epochs 8", 8,
+                    {"peagle.num_depths": 2, "optim.epochs": 8, "optim.max_steps": 1920}),
     "wd_01": ("optim.weight_decay", 0.1, {"optim.weight_decay": 0.1}),
     "frozen_head": ("draft.freeze_lm_head", True, {"draft.freeze_lm_head": True}),
     "frozen_embed": ("draft.freeze_embeddings", True, {"draft.freeze_embeddings": True}),
