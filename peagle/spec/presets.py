@@ -13,7 +13,8 @@ __all__ = ["preset", "preset_names"]
 
 
 def _demo() -> dict[str, Any]:
-    # SmolLM2-135M on ShareGPT, sized to finish on a 2-core CPU in about 30 minutes (README benchmarks).
+    # SmolLM2-135M on ShareGPT, sized for a 2-core CPU: about 40-47 minutes end to end with vLLM, of which
+    # regeneration is 8-16 (README benchmarks).
     # bf16 target: capture is 2.2x faster than fp32 on this CPU (avx512_bf16) and it is the dtype vLLM
     # serves; the draft trains in fp32. 4 passes over ~236 packed rows (640 conversations): at this size
     # training longer is what raises the served AL most (1.30 -> 1.40 at K = 4 on HumanEval against one
@@ -47,10 +48,10 @@ def _demo() -> dict[str, Any]:
         "checkpoints": {"every_steps": 120, "keep_last": 2, "select_best_by": "tau_sim"},
         # serve_check: the export is loaded in vLLM with parallel drafting when a vLLM venv is there
         # (`make vllm-env`); without one the phase is skipped with a warning.
-        # AL live: 2 prompts every 240 steps (once an epoch), the 8 prompts after training, then also on 8 of the job's own
-        # held-out conversations (where the draft meets the data it was trained for); with vLLM each measurement
-        # starts an engine (about 40 s on 2 cores), and the served speedup is timed for K = 1..4 in 2 rounds
-        # (about 5 min).
+        # AL live: 2 prompts at every checkpoint (every 120 steps; al_every_steps 240 adds none), the 8 prompts
+        # after training, then also on 8 of the job's own held-out conversations (where the draft meets the data
+        # it was trained for); with vLLM each live measurement starts an engine (about 20 s on 2 cores), and the
+        # served speedup is timed for K = 1..4 in 2 rounds (the evaluation phase took 9 min 21 s).
         "eval": {"prompt_sets": [{"name": "humaneval", "num_prompts": 8}, {"name": "heldout", "num_prompts": 8}],
                  "max_new_tokens": 64, "serve_check": True,
                  "al_every_steps": 240, "al_num_prompts": 2, "speedup_rounds": 2},
