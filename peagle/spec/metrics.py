@@ -39,7 +39,8 @@ __all__ = [
 
 LOSS = "loss"
 FULL_ACC = "full_acc"
-#: Simulated acceptance length (sum over k of prod_{j<=k} acc_j).
+#: Simulated accepted draft tokens per step (sum over k of prod_{j<=k} acc_j); 1 + tau_sim overstates the
+#: measured AL (docs/decisions.md decision 11).
 TAU_SIM = "tau_sim"
 #: Training throughput of a step: non-padding tokens per wall-clock second.
 TOKENS_PER_S = "tokens_per_s"
