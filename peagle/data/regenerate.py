@@ -10,11 +10,17 @@ Rules, per conversation (`ConversationRun`):
 * turns are walked in order; user/system/tool turns are kept; assistant turn j is generated from the
   already regenerated prefix ``conv[:j]``, rendered with the target's own chat template
   (`peagle.data.template.render` + generation prompt, tokenised as training tokenises it) and sent as
-  token ids, with ``max_tokens = min(max_new_tokens, max_model_len - prompt_len)``;
+  token ids, with ``max_tokens = min(max_new_tokens, max_model_len - prompt_len, max_length - prompt_len +
+  LENGTH_MARGIN)``: training keeps only the first `data.max_length` tokens of a conversation, so an answer is
+  never generated further than that (plus a margin that keeps the end-of-turn marker of the cut answer past
+  the cut, whatever the re-tokenisation of its text);
 * a prompt that reaches `data.max_length` tokens (or the engine's context) ends the conversation there
   (``stop = "max_length"``): training would cut the later turns away anyway. The conversation keeps the
   turns before it (counted as `stopped_at_max_length`), or, when no answer came before, is dropped as
   `too_long_no_assistant_left`;
+* an answer that reached `data.max_length` (the last clamp above was the one that cut it) is kept, whatever
+  `on_length` says, and ends the conversation (``finish`` ``"max_length"``, ``stop = "max_length"``): the
+  training row holds the same tokens as if it had been generated to its end;
 * an answer cut by the limit (``finish_reason == "length"``): with `on_length: drop` the conversation stops
   and is dropped (`regenerated_answer_cut`); with `keep` it goes on from the cut answer (counted);
 * a conversation with no non-empty assistant answer (none in the input, or only empty answers) is dropped
@@ -52,6 +58,7 @@ from peagle.spec.metrics import (
 )
 
 __all__ = [
+    "LENGTH_MARGIN",
     "PROGRESS_EVERY_S",
     "ConversationRun",
     "RegenResult",
@@ -62,6 +69,9 @@ __all__ = [
 
 #: Least seconds between two progress records (the first and the last always go out).
 PROGRESS_EVERY_S = 5.0
+#: Tokens an answer may run past `data.max_length` (its text is tokenised again for training, which can
+#: merge a few tokens; the margin keeps the cut answer's end-of-turn marker out of the training row).
+LENGTH_MARGIN = 16
 Messages = list[dict[str, str]]
 
 
@@ -118,6 +128,7 @@ class ConversationRun:
         self.stop: str | None = None
         self.tokens = 0
         self.pending: TurnRequest | None = None
+        self.capped = False  # the pending answer is clamped by data.max_length, not by the answer budget
 
     def next_request(self) -> TurnRequest | None:
         """The next answer to generate (also kept in `pending`), or None when the conversation is done."""
@@ -137,7 +148,9 @@ class ConversationRun:
         if len(ids) >= min(self.s.max_length, self.s.max_model_len):  # (a smaller engine context counts too)
             self.stop = "max_length"
             return None
-        limit = min(self.s.max_new_tokens, self.s.max_model_len - len(ids))
+        budget = min(self.s.max_new_tokens, self.s.max_model_len - len(ids))
+        row_left = self.s.max_length - len(ids) + LENGTH_MARGIN
+        limit, self.capped = min(budget, row_left), row_left < budget
         self.pending = TurnRequest(list(ids), max(limit, 1), self.s.temperature,
                                    turn_seed(self.key, len(self.finish), self.s.seed))
         return self.pending
@@ -146,8 +159,12 @@ class ConversationRun:
         """Record the answer to `pending` and move past its assistant turn."""
         self.out.append({"role": "assistant", "content": result.text})
         self.pos += 1
-        self.finish.append(result.finish_reason)
         self.tokens += result.num_tokens
+        if result.finish_reason == "length" and self.capped:  # cut where training cuts the row: not a cut answer
+            self.finish.append("max_length")
+            self.stop = "max_length"
+            return
+        self.finish.append(result.finish_reason)
         if result.finish_reason == "length" and self.s.on_length == "drop":
             self.stop = "length"  # dropped anyway: its later turns are not worth generating
 

@@ -17,9 +17,10 @@ Each line is one finished conversation::
 
     {"key": "<64 hex>", "messages": [...], "finish": ["stop", "length"], "stop": null, "tokens": 412}
 
-``finish`` holds one `finish_reason` per generated answer; ``stop`` says why generation stopped before the
-last turn (`"length"`: an answer was cut and `on_length: drop` gave up on the rest; `"max_length"`: the
-next prompt reached `data.max_length`), null when every turn was answered.
+``finish`` holds one `finish_reason` per generated answer (``"max_length"`` for one that reached
+`data.max_length`, where training cuts the row: `peagle.data.regenerate`); ``stop`` says why generation stopped before the
+last turn (`"length"`: an answer was cut and `on_length: drop` gave up on the rest; `"max_length"`: an answer or
+the next prompt reached `data.max_length`), null when every turn was answered.
 
 Durability and concurrency: every append takes an exclusive `flock` on the file, writes one line, flushes
 and fsyncs before returning, so a crash loses at most the conversation being written; two jobs appending at

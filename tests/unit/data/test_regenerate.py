@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from peagle.data.regenerate import (
+    LENGTH_MARGIN,
     RegenSettings,
     outcome,
     regenerate_conversations,
@@ -151,14 +152,64 @@ def test_empty_answers_and_long_prompts(smollm2_tokenizer, tmp_path):
 
 def test_max_tokens_is_clamped_to_the_context(smollm2_tokenizer, tmp_path):
     eng = Scripted(smollm2_tokenizer, concurrent=False)
-    _run(smollm2_tokenizer, CONVS[:1], _settings(max_new_tokens=500, max_length=256, max_model_len=300), eng, tmp_path)
-    for req in eng.requests:
-        assert req.max_tokens == min(500, 300 - len(req.prompt_ids)) and req.max_tokens < 500
+    _run(smollm2_tokenizer, CONVS[:1], _settings(max_new_tokens=500, max_length=256, max_model_len=266), eng, tmp_path)
+    for req in eng.requests:  # the engine's context is the tightest clamp here
+        assert req.max_tokens == 266 - len(req.prompt_ids) and req.max_tokens < 500
+    # training keeps max_length tokens: an answer is not generated past them (plus the margin)
+    eng_row = Scripted(smollm2_tokenizer, concurrent=False)
+    _run(smollm2_tokenizer, CONVS[:1], _settings(max_new_tokens=500, max_length=200, max_model_len=800), eng_row,
+         tmp_path / "row")
+    assert eng_row.requests
+    for req in eng_row.requests:
+        assert req.max_tokens == 200 - len(req.prompt_ids) + LENGTH_MARGIN
     # an engine context shorter than data.max_length ends the conversation like max_length does
     eng2 = Scripted(smollm2_tokenizer, concurrent=False)
     p1 = len(eng.requests[0].prompt_ids)
     res = _run(smollm2_tokenizer, CONVS[:1], _settings(max_length=256, max_model_len=p1), eng2, tmp_path / "b")
     assert eng2.requests == [] and res.reasons == {0: TOO_LONG}
+
+
+@pytest.mark.parametrize("on_length", ["drop", "keep"])
+def test_an_answer_cut_at_max_length_is_kept_and_ends_the_conversation(smollm2_tokenizer, tmp_path, on_length):
+    # the engine cuts the CUT answer at whatever max_tokens says: here that is data.max_length's clamp
+    eng = Scripted(smollm2_tokenizer, concurrent=False)
+    res = _run(smollm2_tokenizer, CONVS[3:], _settings(on_length=on_length, max_new_tokens=500, max_length=120,
+                                                       max_model_len=800), eng, tmp_path)
+    (req,) = eng.requests  # its second turn is never asked: training would cut it away
+    assert req.max_tokens == 120 - len(req.prompt_ids) + LENGTH_MARGIN
+    kept = res.conversations[0]
+    assert kept is not None and [m["role"] for m in kept] == ["user", "assistant"]
+    assert res.reasons == {} and res.report["answers_cut"] == 0 and res.report["stopped_at_max_length"] == 1
+    (line,) = [json.loads(x) for x in Path(res.report["cache_file"]).read_text().splitlines()]
+    assert line["finish"] == ["max_length"] and line["stop"] == "max_length"
+    # a record made under either rule serves the other from the cache
+    other = "keep" if on_length == "drop" else "drop"
+    eng2 = Scripted(smollm2_tokenizer, concurrent=False)
+    again = _run(smollm2_tokenizer, CONVS[3:], _settings(on_length=other, max_new_tokens=500, max_length=120,
+                                                         max_model_len=800), eng2, tmp_path)
+    assert eng2.opened == 0 and again.conversations == res.conversations
+
+
+def test_the_margin_keeps_a_cut_answers_end_of_turn_out_of_the_row(smollm2_tokenizer, tmp_path):
+    # an engine whose max_tokens answer tokenises into 10 fewer tokens the second time (non-canonical tokens
+    # merging): the row still ends inside the answer, never on the end-of-turn marker a cut answer gets
+    from peagle.data.template import tokenize_conversation
+
+    class Merging(Scripted):
+        def _answer(self, req: TurnRequest) -> TurnResult:
+            self.requests.append(req)
+            return TurnResult(" word" * (req.max_tokens - 10), "length", req.max_tokens)
+
+    eng = Merging(smollm2_tokenizer, concurrent=False)
+    res = _run(smollm2_tokenizer, CONVS[:1], _settings(max_new_tokens=500, max_length=100, max_model_len=800), eng,
+               tmp_path)
+    (conv,) = res.conversations
+    assert conv is not None and len(eng.requests) == 1
+    row = tokenize_conversation(smollm2_tokenizer, conv, max_length=100)
+    p = len(eng.requests[0].prompt_ids)
+    im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert row.truncated and len(row.input_ids) == 100 and im_end not in row.input_ids[p:]
+    assert row.loss_mask[p:] == [1] * (100 - p)
 
 
 def test_cache_is_keyed_by_content_not_position(smollm2_tokenizer, tmp_path):

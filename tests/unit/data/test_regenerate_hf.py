@@ -163,3 +163,31 @@ def test_prepare_data_regenerates_with_transformers(tiny_model, smollm2_tokenize
     assert m2.calls == 0 and torch.equal(again.train.input_ids, pd.train.input_ids)
     with pytest.raises(Exception, match="needs the target model"):
         prepare_data(spec, smollm2_tokenizer, tmp_path / "run3", target_vocab_size=49152, workers=1)
+
+
+def test_an_answer_cut_at_max_length_leaves_the_training_row_of_a_full_answer(tiny_model, smollm2_tokenizer,
+                                                                               tmp_path, monkeypatch):
+    """Answers are generated only as far as training keeps them (`data.max_length` + `LENGTH_MARGIN`): the
+    rows are the same as those of answers generated to their end (the same settings, so the same sampling
+    seeds, with the clamp lifted). Sampled: the random model's tokens re-tokenise with merges, the hard case
+    for the margin."""
+    import peagle.data.regenerate as regen
+    from peagle.data.template import tokenize_conversation
+
+    convs = [[{"role": "user", "content": f"question {k}"}, {"role": "assistant", "content": "old"},
+              {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "old"}] for k in range(4)]
+    max_length = 40
+    s = _settings(temperature=1.0, max_new_tokens=48, batch_size=1, max_length=max_length, max_model_len=200)
+    m = Counting(tiny_model, smollm2_tokenizer)
+    cut = _run(m, smollm2_tokenizer, convs, s, tmp_path / "a")
+    monkeypatch.setattr(regen, "LENGTH_MARGIN", 10**6)  # the clamp lifted: answers run to max_new_tokens
+    full = _run(tiny_model, smollm2_tokenizer, convs, s, tmp_path / "b")
+    assert cut.report["stopped_at_max_length"] == 4 and cut.report["answers_cut"] == 0
+    assert full.report["answers_cut"] == 4  # 48 random tokens never end the turn
+    assert m.calls == 4  # the second turns would be cut away: never asked
+    assert cut.report["tokens"] < full.report["tokens"]
+    for a, b in zip(cut.conversations, full.conversations, strict=True):
+        assert a is not None and b is not None and len(a) == 2 and len(b) == 3 and a[1] != b[1]
+        ra = tokenize_conversation(smollm2_tokenizer, a, max_length=max_length)
+        rb = tokenize_conversation(smollm2_tokenizer, b, max_length=max_length)
+        assert ra.truncated and (ra.input_ids, ra.loss_mask) == (rb.input_ids, rb.loss_mask)
