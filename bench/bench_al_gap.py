@@ -91,10 +91,12 @@ def load(export: Path) -> tuple[Any, Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from peagle.builtin import local_verifier
-    from peagle.export.writer import load_exported_draft, read_export_config
+    from peagle.export.writer import load_exported_draft, read_export_config, verifier_of
 
-    cfg = read_export_config(export)
-    verifier = local_verifier(((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", ""))
+    name = verifier_of(read_export_config(export))
+    if name is None:
+        raise SystemExit(f"{export}: the export names no verifier (speculators_config.verifier.name_or_path)")
+    verifier = local_verifier(name)
     tok = AutoTokenizer.from_pretrained(verifier)
     target = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.bfloat16).eval()
     return tok, target, load_exported_draft(export).eval()

@@ -53,7 +53,7 @@ def main() -> int:
     from peagle.eval.reference import load_prompts, tokenize_prompts
     from peagle.eval.serve_check import measure_vllm, vllm_python
     from peagle.eval.speedup import SpeedupPlan, plan_speedup, speedup_text
-    from peagle.export.writer import num_speculative_tokens_of, read_export_config
+    from peagle.export.writer import num_speculative_tokens_of, read_export_config, verifier_of
 
     if vllm_python() is None:
         print("speedup bench skipped: no vLLM venv (make vllm-env)", flush=True)
@@ -64,7 +64,10 @@ def main() -> int:
         export = DEMO_RUN / "export"
     cfg = read_export_config(export)
     k = args.k or num_speculative_tokens_of(cfg)
-    verifier = local_verifier(str(cfg["speculators_config"]["verifier"]["name_or_path"]))
+    name = verifier_of(cfg)
+    if name is None:
+        raise SystemExit(f"{export}: the export names no verifier (speculators_config.verifier.name_or_path)")
+    verifier = local_verifier(name)
     tok = AutoTokenizer.from_pretrained(str(verifier))
     prompts = tokenize_prompts(tok, load_prompts("humaneval", args.num_prompts))
     base = plan_speedup(k, len(prompts), sweep=args.sweep, batch_sizes=args.batch_size, rounds=args.rounds)

@@ -269,13 +269,14 @@ def export_cmd(
         load_exported_draft,
         num_speculative_tokens_of,
         read_export_config,
+        verifier_of,
     )
 
     src = _export_dir_of(ckpt)
     cfg = read_export_config(src)
     draft = load_exported_draft(src)
+    name = verifier_of(cfg) or ""
     verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
-    name = verifier.get("name_or_path") or cfg.get("_verifier_name_or_path") or ""
     if layout == Layout.speculators and not name:
         raise _fail(f"{src}: no verifier recorded; export it from a speculators-format checkpoint", 2)
     export_draft(

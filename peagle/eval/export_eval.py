@@ -127,6 +127,7 @@ def run_eval(
         load_exported_draft,
         num_speculative_tokens_of,
         read_export_config,
+        verifier_of,
     )
 
     if speedup is not None and engine not in ("vllm", "both"):
@@ -135,7 +136,7 @@ def run_eval(
     check_export(export_dir)
     cfg = read_export_config(export_dir)
     k = num_speculative_tokens or num_speculative_tokens_of(cfg)
-    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    verifier = verifier_of(cfg)
     if not (target or verifier):
         raise TargetLoadError("no target: pass --target (the export names no verifier)")
     try:  # the export names a portable verifier; this machine loads its local folder

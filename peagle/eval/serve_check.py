@@ -32,12 +32,13 @@ def probe_script() -> Path:
 
 
 def _verifier_of(export_dir: Path) -> str | None:
+    from peagle.errors import ExportInvalidError
+    from peagle.export.rules import read_export_config, verifier_of
+
     try:
-        cfg = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return verifier_of(read_export_config(export_dir))
+    except ExportInvalidError:
         return None
-    name = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    return name if isinstance(name, str) else None
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ __all__ = [
     "read_export_config",
     "validate_export",
     "validate_export_report",
+    "verifier_of",
 ]
 
 SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
@@ -94,6 +95,16 @@ def read_export_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ExportInvalidError([f"{f}: must be a JSON object, got {type(data).__name__}"])
     return data
+
+
+def verifier_of(cfg: dict[str, Any]) -> str | None:
+    """The verifier an export's config names (`speculators_config.verifier.name_or_path`: a hub id, a
+    `builtin:*` name or a folder), or None when it names none (the eagle3 layout, a malformed config).
+    `peagle.builtin.local_verifier` maps it to what loads on this machine."""
+    sc = cfg.get("speculators_config")
+    verifier = sc.get("verifier") if isinstance(sc, dict) else None
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def _is_int(x: Any) -> TypeGuard[int]:
@@ -302,8 +313,7 @@ def _check_aux_ids(cfg: dict[str, Any], r: ExportReport) -> None:
         warn.append(
             f"config.json: eagle_aux_hidden_state_layer_ids {ids} repeat a layer (vLLM captures it twice)"
         )
-    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
-    n = _verifier_num_layers(verifier.get("name_or_path"))
+    n = _verifier_num_layers(verifier_of(cfg))
     if n is None:
         return
     if any(not 0 <= i < n for i in ids):

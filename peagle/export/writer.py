@@ -32,6 +32,7 @@ from peagle.export.rules import (
     is_training_only,
     read_export_config,
     validate_export,
+    verifier_of,
 )
 from peagle.fileio import fsync_file, publish_dir
 
@@ -52,6 +53,7 @@ __all__ = [
     "num_speculative_tokens_of",
     "read_export_config",
     "validate_export",
+    "verifier_of",
 ]
 
 Layout = Literal["speculators", "eagle3"]

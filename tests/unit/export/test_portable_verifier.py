@@ -45,3 +45,14 @@ def test_loadable_export_names_the_local_folder_and_leaves_the_export_alone(tmp_
     assert json.loads((export / "config.json").read_text()) == cfg
     with loadable_export(export, SMOL_HUB) as same:  # nothing to map: the export itself
         assert same == export
+
+
+def test_verifier_of_reads_the_name_an_export_records() -> None:
+    from peagle.export.writer import verifier_of
+
+    assert verifier_of({"speculators_config": {"verifier": {"name_or_path": SMOL_HUB}}}) == SMOL_HUB
+    # the eagle3 layout names none; malformed or empty entries name none either (never "" or a non-string)
+    for cfg in ({}, {"architectures": ["LlamaForCausalLMEagle3"]}, {"speculators_config": None},
+                {"speculators_config": {"verifier": "x"}}, {"speculators_config": {"verifier": {"name_or_path": ""}}},
+                {"speculators_config": {"verifier": {"name_or_path": 7}}}, {"speculators_config": []}):
+        assert verifier_of(cfg) is None, cfg
