@@ -104,6 +104,9 @@ VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "data_2x_epochs_4": ("data.sources max_samples (4 epochs, 4x the 1-pass steps)", 1280,
                          {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1280}], "optim.epochs": 4,
                           "optim.max_steps": 1920}),
+    # greedy verification accepts the target's argmax: fit it alone (cross-entropy) or a sharpened target
+    "target_t0": ("peagle.target_temperature (argmax CE)", 0.0, {"peagle.target_temperature": 0.0}),
+    "target_t05": ("peagle.target_temperature", 0.5, {"peagle.target_temperature": 0.5}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }
 DEFAULT_VARIANTS = "baseline,peer"

@@ -17,7 +17,8 @@ from torch import Tensor
 from peagle.model.cpu_kernels import mm_nt
 from peagle.spec import metrics as metric_keys
 
-__all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "tau_sim"]
+__all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "target_log_probs",
+           "tau_sim"]
 
 LOSS_EPS = 1e-5
 """Lower clamp of the count denominator (an all-unsupervised micro-batch gives loss 0, not NaN)."""
@@ -25,6 +26,31 @@ LOSS_EPS = 1e-5
 HEAD_CHUNK_BYTES = 8 << 20
 """Bytes of one `[c, Vd]` fp32 row chunk of the fused lm_head + KL (`head_loss_sums`): a few such
 buffers stay in cache, and no `[M, Vd]` tensor is ever allocated."""
+
+
+def target_log_probs(target_logits: Tensor, dtype: torch.dtype, temperature: float = 1.0) -> Tensor:
+    """log p of the distribution the draft is fitted to, from the target's logits (`peagle.target_temperature`).
+
+    `log_softmax(z / T)`; T = 1 is the target's own distribution (the KL of speculators and NeMo), T < 1
+    sharpens it toward the greedy token that verification accepts, and T = 0 is that token alone (log p = 0
+    there, -inf elsewhere: the KL becomes the cross-entropy on the target's argmax, first index on a tie).
+
+    Args:
+        target_logits: `[*, Vd]`.
+        dtype: the computation dtype (fp32 or fp64).
+        temperature: T >= 0.
+
+    Returns:
+        `[*, Vd]` log-probabilities in `dtype`.
+
+    Example: z = [2, 0, 0] -> T = 1: log softmax [-0.24, -2.24, -2.24]; T = 0: [0, -inf, -inf].
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    z = target_logits.to(dtype)
+    if temperature == 0:
+        return torch.full_like(z, float("-inf")).scatter_(-1, z.argmax(-1, keepdim=True), 0.0)
+    return F.log_softmax(z if temperature == 1 else z / temperature, dim=-1)
 
 
 class _FusedKL(torch.autograd.Function):
@@ -36,9 +62,9 @@ class _FusedKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
         log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
-        log_p = F.log_softmax(target_logits.to(dtype), dim=-1)  # [*, Vd]
+        log_p = target_log_probs(target_logits, dtype, temperature)  # [*, Vd]
         p = log_p.exp()  # [*, Vd]
         terms = p * (log_p - log_q)  # [*, Vd]
         kl = torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
@@ -49,30 +75,32 @@ class _FusedKL(torch.autograd.Function):
         return kl
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return (grad * grad_out.unsqueeze(-1)).to(ctx.in_dtype), None, None
+        return (grad * grad_out.unsqueeze(-1)).to(ctx.in_dtype), None, None, None
 
 
-def kl_per_position(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
+def kl_per_position(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0) -> Tensor:
     """KL(target || draft) over the last axis, in fp32 (fp64 inputs stay fp64).
 
-    `sum_v p_v (log p_v - log q_v)` with `p = softmax(target)`, `log q = log_softmax(draft)`;
+    `sum_v p_v (log p_v - log q_v)` with `p = softmax(target / temperature)` (`target_log_probs`; 0 = the
+    target's argmax alone), `log q = log_softmax(draft)`;
     terms with p_v = 0 contribute 0. When only the draft logits require grad (training), a fused
     autograd function is used whose backward is `(softmax(draft) - p) * grad` (same values, less memory).
 
     Args:
         draft_logits: `[*, Vd]` draft logits (any float dtype).
         target_logits: `[*, Vd]` target logits restricted to the draft vocab.
+        temperature: of the target distribution (`target_log_probs`).
 
     Returns:
-        `[*]` fp32 (fp64 for fp64 inputs), >= 0, exactly 0 where the logits are equal.
+        `[*]` fp32 (fp64 for fp64 inputs), >= 0, exactly 0 where the logits are equal (at temperature 1).
     """
     dtype = torch.promote_types(torch.promote_types(draft_logits.dtype, target_logits.dtype), torch.float32)
     if draft_logits.requires_grad and not target_logits.requires_grad and torch.is_grad_enabled():
-        return _FusedKL.apply(draft_logits, target_logits, dtype)
+        return _FusedKL.apply(draft_logits, target_logits, dtype, temperature)
     log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
-    log_p = F.log_softmax(target_logits.to(dtype), dim=-1)  # [*, Vd]
+    log_p = target_log_probs(target_logits, dtype, temperature)  # [*, Vd]
     p = log_p.exp()  # [*, Vd]
     terms = p * (log_p - log_q)  # [*, Vd]; NaN where p = 0 and log_p = -inf
     return torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
@@ -82,9 +110,9 @@ def _head_chunk_rows(vocab: int) -> int:
     return max(16, min(1024, HEAD_CHUNK_BYTES // (4 * max(vocab, 1))))
 
 
-def _target_rows(z: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def _target_rows(z: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
     """Target side of the KL for `[u, Vd]` logits: p `[u, Vd]`, `sum_v p log p` `[u]`, argmax `[u]`."""
-    log_p = F.log_softmax(z.to(dtype), dim=-1)  # [u, Vd]
+    log_p = target_log_probs(z, dtype, temperature)  # [u, Vd]
     p = log_p.exp()  # [u, Vd]
     # p = 0 terms contribute 0: clamping log p to the finite minimum turns 0 * (-inf) into 0 * finite
     neg_entropy = (p * log_p.clamp_min_(torch.finfo(dtype).min)).sum(-1)  # [u]
@@ -103,7 +131,7 @@ class _FusedHeadKL(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, weight: Tensor
+        ctx, x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, weight: Tensor, temperature: float
     ) -> tuple[Tensor, Tensor]:
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         m = x.shape[0]
@@ -120,14 +148,14 @@ class _FusedHeadKL(torch.autograd.Function):
             stop = min(start + step, m)
             if order is None:
                 rows = x[start:stop]  # [c, H]
-                p, neg_entropy, z_arg = _target_rows(target[start:stop], dtype)
+                p, neg_entropy, z_arg = _target_rows(target[start:stop], dtype, temperature)
                 inv = None
             else:
                 assert index is not None  # order exists only with an index
                 elems = order[start:stop]  # [c]
                 rows = x.index_select(0, elems)  # [c, H]
                 uniq, inv = torch.unique_consecutive(index.index_select(0, elems), return_inverse=True)  # [u], [c]
-                p, neg_entropy, z_arg = _target_rows(target.index_select(0, uniq), dtype)
+                p, neg_entropy, z_arg = _target_rows(target.index_select(0, uniq), dtype, temperature)
             logits = mm_nt(rows, head)  # [c, Vd] (bf16 under autocast)
             log_q = F.log_softmax(logits.to(dtype), dim=-1)  # [c, Vd]
             if inv is not None:
@@ -171,6 +199,7 @@ class _FusedHeadKL(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -182,6 +211,7 @@ def head_loss_sums(
     weight: Tensor,
     depth: Tensor,
     num_depths: int,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, CodMetrics]:
     """`cod_loss_sums(x @ head.T, target[target_index], ...)` fused with the lm_head, in row chunks.
 
@@ -199,16 +229,19 @@ def head_loss_sums(
         weight: `[M]` supervision weights.
         depth: `[M]` int64 depths in `[0, num_depths)`.
         num_depths: K.
+        temperature: of the target distribution the KL fits (`target_log_probs`; 0 = its argmax).
 
     Returns:
         `(loss_sum, metrics)` as `cod_loss_sums`.
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     want = torch.is_grad_enabled() and (x.requires_grad or head.requires_grad)
     if want:
-        loss_sum, hit = _FusedHeadKL.apply(x, head, target, target_index, weight)
+        loss_sum, hit = _FusedHeadKL.apply(x, head, target, target_index, weight, temperature)
     else:
         with torch.no_grad():
-            loss_sum, hit = _FusedHeadKL.forward(_NoCtx(), x, head, target, target_index, weight)
+            loss_sum, hit = _FusedHeadKL.forward(_NoCtx(), x, head, target, target_index, weight, temperature)
     with torch.no_grad():
         w = weight.double()
         dep = depth.long().to(w.device)
@@ -221,7 +254,7 @@ def head_loss_sums(
 class _NoCtx:
     """Stand-in autograd context for a forward-only call of `_FusedHeadKL.forward`."""
 
-    needs_input_grad = (False, False, False, False, False)
+    needs_input_grad = (False, False, False, False, False, False)
 
     def mark_non_differentiable(self, *args: Tensor) -> None:
         pass
@@ -293,6 +326,7 @@ def cod_loss_sums(
     weight: Tensor,
     depth: Tensor,
     num_depths: int,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, CodMetrics]:
     """Weighted KL sum (with grad) and metric sums of a set of COD elements.
 
@@ -310,11 +344,12 @@ def cod_loss_sums(
         weight: `[M]` supervision weights (0/1).
         depth: `[M]` int64 depths in `[0, num_depths)`.
         num_depths: K.
+        temperature: of the target distribution (`target_log_probs`; 0 = its argmax).
 
     Returns:
         `(loss_sum, metrics)`: fp32 (or fp64) scalar `sum w * KL` carrying the graph, and detached `CodMetrics`.
     """
-    kl = kl_per_position(draft_logits, target_logits)  # [M]
+    kl = kl_per_position(draft_logits, target_logits, temperature)  # [M]
     w = weight.to(kl.dtype)  # [M]
     loss_sum = (w * kl).sum()
     with torch.no_grad():

@@ -240,6 +240,14 @@ class PEagleSpec(_Strict):
         "every COD element counts the same (speculators, NeMo). Below 1 the draft spends more of its capacity "
         "on the early depths that decide most of the acceptance length (docs/decisions.md decision 15).",
     )
+    target_temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=10.0,
+        description="T: the KL fits softmax(target logits / T); 1 = the target's own distribution (speculators, "
+        "NeMo); below 1 it is sharpened toward the greedy token that verification accepts; 0 = cross-entropy on "
+        "the target's argmax (docs/decisions.md decision 17).",
+    )
 
 
 class OptimSpec(_Strict):

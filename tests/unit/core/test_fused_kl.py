@@ -63,3 +63,66 @@ def test_fused_head_matches_materialised_logits(monkeypatch) -> None:
         loss, mets = head_loss_sums(x0, w0, target[index], None, weight, depth, k)
     assert not loss.requires_grad
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_target_temperature_fits_a_sharpened_target_or_its_argmax(monkeypatch) -> None:
+    """`peagle.target_temperature`: T = 0 is the cross-entropy on the target's argmax, other T the KL to
+    softmax(z / T); the fused KL and the fused lm_head + KL match independent autograd references (loss and
+    gradients), and the accuracy metric is unchanged (argmax of z / T is argmax of z)."""
+    import pytest
+    import torch.nn.functional as F
+
+    import peagle.cod.loss as loss_mod
+    from peagle.cod.loss import head_loss_sums, kl_per_position, target_log_probs
+
+    z = torch.tensor([[2.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(target_log_probs(z, torch.float64, 0.0), torch.tensor([[0.0, -torch.inf, -torch.inf]],
+                                                                                      dtype=torch.float64))
+    torch.testing.assert_close(target_log_probs(z, torch.float64, 0.5), F.log_softmax(2 * z, -1))
+    torch.testing.assert_close(target_log_probs(z, torch.float64, 1.0), F.log_softmax(z, -1))
+    with pytest.raises(ValueError, match="temperature"):
+        target_log_probs(z, torch.float64, -0.1)
+
+    def reference(logits, t, temperature):  # plain autograd, written out
+        if temperature == 0:
+            return F.cross_entropy(logits, t.argmax(-1), reduction="none")
+        p = F.softmax(t / temperature, -1)
+        return (p * (F.log_softmax(t / temperature, -1) - F.log_softmax(logits, -1))).sum(-1)
+
+    g = torch.Generator().manual_seed(2)
+    d0 = torch.randn(9, 21, generator=g, dtype=torch.float64)
+    t = torch.randn(9, 21, generator=g, dtype=torch.float64)
+    w = torch.rand(9, generator=g, dtype=torch.float64)
+    for temperature in (0.0, 0.5, 2.0):
+        d = d0.clone().requires_grad_()
+        fused = kl_per_position(d, t, temperature)
+        (fused * w).sum().backward()
+        d_ref = d0.clone().requires_grad_()
+        ref = reference(d_ref, t, temperature)
+        (ref * w).sum().backward()
+        torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(d.grad, d_ref.grad, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(kl_per_position(d0, t, 0.0), kl_per_position(d0, t, 1.0))
+
+    monkeypatch.setattr(loss_mod, "HEAD_CHUNK_BYTES", 16 * 4 * 40)  # several chunks, shared target rows
+    m, h, vd, rows, k = 37, 8, 40, 11, 3
+    x0 = torch.randn(m, h, generator=g, dtype=torch.float64)
+    w0 = torch.randn(vd, h, generator=g, dtype=torch.float64)
+    target = torch.randn(rows, vd, generator=g, dtype=torch.float64)
+    index = torch.randint(0, rows, (m,), generator=g)
+    weight = (torch.rand(m, generator=g) < 0.8).double()
+    depth = torch.randint(0, k, (m,), generator=g)
+    accs = []
+    for temperature in (0.0, 0.5, 1.0):
+        x, head = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss, mets = head_loss_sums(x, head, target, index, weight, depth, k, temperature)
+        loss.backward()
+        xr, hr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ref = (weight * reference(xr @ hr.t(), target[index], temperature)).sum()
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(head.grad, hr.grad, rtol=1e-10, atol=1e-12)
+        accs.append(mets.acc_sum)
+    torch.testing.assert_close(accs[0], accs[2])
+    torch.testing.assert_close(accs[1], accs[2])

@@ -73,6 +73,16 @@ def test_depth_decay_range() -> None:
         assert p.path == "peagle.depth_decay", bad
 
 
+def test_target_temperature_range() -> None:
+    assert parse_spec(MIN).peagle.target_temperature == 1.0  # the target's own distribution unless asked
+    assert parse_spec({**MIN, "peagle": {"target_temperature": 0}}).peagle.target_temperature == 0.0
+    for bad in (-0.1, 10.5, "hot"):
+        with pytest.raises(SpecInvalidError) as ei:
+            parse_spec({**MIN, "peagle": {"target_temperature": bad}})
+        [p] = ei.value.problems
+        assert p.path == "peagle.target_temperature", bad
+
+
 def test_unknown_field_is_rejected_with_its_path() -> None:
     with pytest.raises(SpecInvalidError) as ei:
         parse_spec({**MIN, "peagle": {"num_depth": 4}})

@@ -218,3 +218,9 @@ def test_release_free_memory_runs_on_glibc() -> None:
 def test_trainer_takes_depth_decay_from_the_spec() -> None:
     assert Trainer(tiny_spec(peagle={"depth_decay": 0.5}), tiny_draft(), tiny_source()).settings.depth_decay == 0.5
     assert Trainer(tiny_spec(), tiny_draft(), tiny_source()).settings.depth_decay == 1.0
+
+
+def test_trainer_takes_target_temperature_from_the_spec() -> None:
+    assert Trainer(tiny_spec(peagle={"target_temperature": 0}), tiny_draft(), tiny_source()).objective \
+        .target_temperature == 0.0
+    assert Trainer(tiny_spec(), tiny_draft(), tiny_source()).objective.target_temperature == 1.0

@@ -108,6 +108,30 @@ def test_mask_hidden_gets_finite_nonzero_grad_when_k_ge_2() -> None:
     assert torch.count_nonzero(grads1["mask_hidden"]) == 0  # in the graph, but no masked slot
 
 
+def test_target_temperature_reaches_the_step() -> None:
+    """T = 0 through `DraftObjective`: the same elements and hits as T = 1, a different (cross-entropy) loss
+    and gradient; partitioning stays exact."""
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+
+    def run(temperature: float, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        settings = _settings(segments, num_depths=2)
+        draft.zero_grad(set_to_none=True)
+        rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+        m = run_micro_batch(DraftObjective(draft, 2, None, temperature), draft, batch, rows, settings, scale=1.0)
+        return m.acc_sum, m.acc_total, m.loss_sum, _dense(draft.lm_head.weight.grad)
+
+    hit1, tot1, loss1, g1 = run(1.0)
+    hit0, tot0, loss0, g0 = run(0.0)
+    torch.testing.assert_close(tot0, tot1)
+    torch.testing.assert_close(hit0, hit1)
+    assert float(loss0) != pytest.approx(float(loss1), rel=1e-3)
+    assert not torch.allclose(g0, g1)
+    _, _, loss0s, g0s = run(0.0, segments=3)
+    assert float(loss0s) == pytest.approx(float(loss0), rel=1e-5)
+    torch.testing.assert_close(g0s, g0, rtol=1e-4, atol=1e-6)
+
+
 def test_depth_decay_reaches_the_step() -> None:
     """gamma = 0.5 through `StepSettings`: each depth's charged weight is gamma**d times the plain count, the
     per-depth accuracies stay the same, and with K = 2 (only depth-1 slots read `mask_hidden`) the
