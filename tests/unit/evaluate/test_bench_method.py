@@ -1,0 +1,21 @@
+"""`bench.bench_method`: a variant's run folder is its spec's hash, and a spec field added later keeps the
+runs cached before it (at the value that reproduces them) under their old names."""
+
+from __future__ import annotations
+
+import copy
+
+from bench.bench_method import ADDED_FIELDS, VARIANTS, spec_hash, variant_spec
+
+
+def test_added_fields_at_their_old_value_keep_the_old_run_names() -> None:
+    spec = variant_spec({})
+    before = copy.deepcopy(spec)
+    for (section, field), value in ADDED_FIELDS.items():
+        assert spec[section][field] == value  # the preset (the baseline) runs at the value of the old runs
+        del before[section][field]  # the spec as it was dumped before the field existed
+    assert spec_hash(spec) == spec_hash(before)
+    assert spec == variant_spec({})  # hashing does not change the spec it is given
+    # a variant that moves an added field is a run of its own
+    hashes = {spec_hash(variant_spec(VARIANTS[n][2])) for n in ("baseline", "target_t0", "target_t05")}
+    assert len(hashes) == 3
