@@ -107,6 +107,7 @@ VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # greedy verification accepts the target's argmax: fit it alone (cross-entropy) or a sharpened target
     "target_t0": ("peagle.target_temperature (argmax CE)", 0.0, {"peagle.target_temperature": 0.0}),
     "target_t05": ("peagle.target_temperature", 0.5, {"peagle.target_temperature": 0.5}),
+    "target_t2": ("peagle.target_temperature", 2.0, {"peagle.target_temperature": 2.0}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }
 DEFAULT_VARIANTS = "baseline,peer"
