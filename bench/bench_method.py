@@ -108,6 +108,9 @@ VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "target_t0": ("peagle.target_temperature (argmax CE)", 0.0, {"peagle.target_temperature": 0.0}),
     "target_t05": ("peagle.target_temperature", 0.5, {"peagle.target_temperature": 0.5}),
     "target_t2": ("peagle.target_temperature", 2.0, {"peagle.target_temperature": 2.0}),
+    "data_2x_epochs_6": ("data.sources max_samples (6 epochs, 6x the 1-pass steps)", 1280,
+                         {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1280}], "optim.epochs": 6,
+                          "optim.max_steps": 2880}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }
 DEFAULT_VARIANTS = "baseline,peer"
