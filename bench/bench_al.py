@@ -40,7 +40,7 @@ def ensure_demo_run(run: Path) -> bool:
     """Train the demo preset into `run` unless it already holds an export; True if it trained now."""
     if (run / "export" / "config.json").exists():
         return False
-    print(f"==> no demo run in {run}: training the demo preset (about 10-20 minutes on 2 idle cores)", flush=True)
+    print(f"==> no demo run in {run}: training the demo preset (about an hour on 2 idle cores: docs/decisions.md decision 18)", flush=True)
     subprocess.run([sys.executable, "-m", "peagle", "train", "demo", "--out", str(run), "--resume", "auto"],
                    check=True, cwd=ROOT)
     return True
