@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,6 +45,21 @@ def ensure_demo_run(run: Path) -> bool:
     subprocess.run([sys.executable, "-m", "peagle", "train", "demo", "--out", str(run), "--resume", "auto"],
                    check=True, cwd=ROOT)
     return True
+
+
+def verifier_folder(export: Path, cfg: dict[str, Any]) -> Path | str:
+    """What loads the verifier that an export's config `cfg` names, on this machine (`local_verifier`).
+
+    Raises:
+        SystemExit: the export names no verifier.
+    """
+    from peagle.builtin import local_verifier
+    from peagle.export.writer import verifier_of
+
+    name = verifier_of(cfg)
+    if name is None:
+        raise SystemExit(f"{export}: the export names no verifier (speculators_config.verifier.name_or_path)")
+    return local_verifier(name)
 
 
 def ensure_peer_export(run: Path, out: Path) -> Path | None:

@@ -90,13 +90,10 @@ def load(export: Path) -> tuple[Any, Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from peagle.builtin import local_verifier
-    from peagle.export.writer import load_exported_draft, read_export_config, verifier_of
+    from bench.bench_al import verifier_folder
+    from peagle.export.writer import load_exported_draft, read_export_config
 
-    name = verifier_of(read_export_config(export))
-    if name is None:
-        raise SystemExit(f"{export}: the export names no verifier (speculators_config.verifier.name_or_path)")
-    verifier = local_verifier(name)
+    verifier = verifier_folder(export, read_export_config(export))
     tok = AutoTokenizer.from_pretrained(verifier)
     target = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.bfloat16).eval()
     return tok, target, load_exported_draft(export).eval()

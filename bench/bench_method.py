@@ -1,8 +1,10 @@
 """Method against the peer, by measurement: paired variants of the demo draft on the same on-policy features
 (issue 18, item 5).
 
-Every variant is the `demo` preset (target in vLLM, regenerated answers, features captured by vLLM) with ONE
-knob changed (`VARIANTS`); all of them train on the same prepared rows and the same feature shards (one
+Every variant is the 640-conversation demo of docs/decisions.md decision 16 (`demo_640`: target in vLLM,
+regenerated answers, features captured by vLLM) with ONE knob changed (`VARIANTS`); `baseline` is the `demo`
+preset as it is now (1280 conversations, 6 passes: docs/decisions.md decision 18). Variants of one data size
+train on the same prepared rows and the same feature shards (one
 data directory, linked into each run, so `peagle train` reloads it and starts no engine), with the same
 steps and seed, and are measured the same way: `peagle eval RUN/export --engine vllm` on the first 40
 HumanEval prompts x 128 new tokens at K = 4 (AL pooled as vLLM counts it, per-position acceptance; the
@@ -22,7 +24,7 @@ One training or one evaluation at a time.
 
 Writes bench/results/method.json: per variant its knob and value, AL, per-position acceptance, held-out
 tau_sim (as trained, and over the first 4 depths), training seconds, the load average while it ran, and the
-AL ratio to the baseline (the demo preset as it is now); `ours_vs_peer` (goal >= 1.10) and `demo_al` (goal
+AL ratio to the run it is paired with (`paired_with`: `demo_640`, or `baseline` for the peer); `ours_vs_peer` (goal >= 1.10) and `demo_al` (goal
 AL >= 1.5 at K = 4). Every measured variant (of any earlier invocation) is in the table.
 """
 
@@ -360,8 +362,8 @@ def main() -> int:
             rows[name], first[run] = row(name, run), name
     base_al = rows["baseline"]["al"]
     for name, r in rows.items():  # against what the variant is paired with
-        paired = rows.get("baseline" if name in OF_THE_DEMO else "demo_640", {}).get("al")
         r["paired_with"] = "baseline" if name in OF_THE_DEMO else "demo_640"
+        paired = rows.get(r["paired_with"], {}).get("al")
         r["ratio"] = round(r["al"] / paired, 4) if r["al"] and paired else None
     report: dict[str, Any] = {
         "settings": {"prompts": "humaneval", "num_prompts": NUM_PROMPTS, "max_new_tokens": MAX_NEW_TOKENS,

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_al import DEMO_RUN, ensure_demo_run  # noqa: E402 - after the checkout is on the path
+from bench.bench_al import DEMO_RUN, ensure_demo_run, verifier_folder  # noqa: E402 - after the checkout is on the path
 
 RESULTS = ROOT / "bench" / "results"
 #: The issue's goal for the demo draft on on-policy data (issue 18, "Benchmarks"); today's demo misses it.
@@ -49,11 +49,10 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from peagle.builtin import local_verifier
     from peagle.eval.reference import load_prompts, tokenize_prompts
     from peagle.eval.serve_check import measure_vllm, vllm_python
     from peagle.eval.speedup import SpeedupPlan, plan_speedup, speedup_text
-    from peagle.export.writer import num_speculative_tokens_of, read_export_config, verifier_of
+    from peagle.export.writer import num_speculative_tokens_of, read_export_config
 
     if vllm_python() is None:
         print("speedup bench skipped: no vLLM venv (make vllm-env)", flush=True)
@@ -64,10 +63,7 @@ def main() -> int:
         export = DEMO_RUN / "export"
     cfg = read_export_config(export)
     k = args.k or num_speculative_tokens_of(cfg)
-    name = verifier_of(cfg)
-    if name is None:
-        raise SystemExit(f"{export}: the export names no verifier (speculators_config.verifier.name_or_path)")
-    verifier = local_verifier(name)
+    verifier = verifier_folder(export, cfg)
     tok = AutoTokenizer.from_pretrained(str(verifier))
     prompts = tokenize_prompts(tok, load_prompts("humaneval", args.num_prompts))
     base = plan_speedup(k, len(prompts), sweep=args.sweep, batch_sizes=args.batch_size, rounds=args.rounds)
