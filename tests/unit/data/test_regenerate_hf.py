@@ -169,8 +169,9 @@ def test_an_answer_cut_at_max_length_leaves_the_training_row_of_a_full_answer(ti
                                                                                tmp_path, monkeypatch):
     """Answers are generated only as far as training keeps them (`data.max_length` + `LENGTH_MARGIN`): the
     rows are the same as those of answers generated to their end (the same settings, so the same sampling
-    seeds, with the clamp lifted). Sampled: the random model's tokens re-tokenise with merges, the hard case
-    for the margin."""
+    seeds, with the clamp lifted). Sampled: the random model's tokens are far from canonical, so their text
+    tokenises differently the second time (mostly into more tokens; the test beside the driver's covers
+    fewer)."""
     import peagle.data.regenerate as regen
     from peagle.data.template import tokenize_conversation
 
