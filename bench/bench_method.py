@@ -3,7 +3,8 @@
 
 Every variant is the 640-conversation demo of docs/decisions.md decision 16 (`demo_640`: target in vLLM,
 regenerated answers, features captured by vLLM) with ONE knob changed (`VARIANTS`); `baseline` is the `demo`
-preset as it is now (1280 conversations, 6 passes: docs/decisions.md decision 18). Variants of one data size
+preset as it is now (1920 conversations, 4 passes: docs/decisions.md decision 19; `data_2x_epochs_6` is the
+1280-conversation demo of docs/decisions.md decision 18). Variants of one data size
 train on the same prepared rows and the same feature shards (one
 data directory, linked into each run, so `peagle train` reloads it and starts no engine), with the same
 steps and seed, and are measured the same way: `peagle eval RUN/export --engine vllm` on the first 40
@@ -128,6 +129,13 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "data_2x_epochs_6": ("data.sources max_samples (6 epochs, 6x the 1-pass steps)", 1280,
                          {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1280}], "optim.epochs": 6,
                           "optim.max_steps": 2880}),
+    # 3x the data in the steps (the training time) of the 1280 x 6 demo: the demo now (docs/decisions.md decision 19)
+    "data_3x_epochs_4": ("data.sources max_samples (4 epochs: the demo's steps)", 1920,
+                         {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1920}], "optim.epochs": 4,
+                          "optim.max_steps": 2880}),
+    "data_3x_epochs_6": ("data.sources max_samples (6 epochs)", 1920,
+                         {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1920}], "optim.epochs": 6,
+                          "optim.max_steps": 4320}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }
 VARIANTS = {name: (knob, value, over if name in OF_THE_DEMO else _640(over))
@@ -178,6 +186,13 @@ def data_dir(spec: dict[str, Any]) -> Path:
     if key == data_cache_key(parse_spec(variant_spec({}))):
         return DATA
     return BASE / f"data-{key[:12]}"
+
+
+def needs_baseline(names: list[str], specs: dict[str, dict[str, Any]]) -> bool:
+    """Whether running `names` needs the baseline trained first: the peer trains on its features, and a
+    variant on the preset's own data (DATA) reuses what the baseline prepared. A variant with data of its own
+    (another size: `data_3x_epochs_4`; the 640-conversation variants) prepares it itself."""
+    return "peer" in names or any(data_dir(specs[n]) == DATA for n in names if n != "peer")
 
 
 def link_data(run: Path, data: Path = DATA) -> None:
@@ -346,7 +361,9 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; --list shows them")
     specs = {n: variant_spec(VARIANTS[n][2]) for n in VARIANTS if n != "peer"}
-    baseline = train("baseline", specs["baseline"])  # first: it prepares the data when there is none
+    baseline = RUNS / spec_hash(specs["baseline"])
+    if needs_baseline(names, specs):
+        baseline = train("baseline", specs["baseline"])  # first: it prepares the shared data when there is none
     for name in names:
         run = train_peer(baseline) if name == "peer" else train(name, specs[name])
         measure(run)
@@ -360,7 +377,7 @@ def main() -> int:
             rows[first[run]].setdefault("same_as", []).append(name)
         elif (run / f"al_vllm_k{SERVE_K}_{NUM_PROMPTS}x{MAX_NEW_TOKENS}.json").exists():
             rows[name], first[run] = row(name, run), name
-    base_al = rows["baseline"]["al"]
+    base_al = rows.get("baseline", {}).get("al")  # None until the baseline is measured
     for name, r in rows.items():  # against what the variant is paired with
         r["paired_with"] = "baseline" if name in OF_THE_DEMO else "demo_640"
         paired = rows.get(r["paired_with"], {}).get("al")

@@ -16,9 +16,9 @@ def _demo() -> dict[str, Any]:
     # SmolLM2-135M on ShareGPT, sized for a 2-core CPU: about an hour end to end with vLLM on a quiet
     # machine (README benchmarks).
     # bf16 target: capture is 2.2x faster than fp32 on this CPU (avx512_bf16) and it is the dtype vLLM
-    # serves; the draft trains in fp32. 6 passes over ~470 packed rows (1280 conversations): data and
-    # passes are what raise the served AL at this size (640 conversations x 4 passes: 1.40 at K = 4 on
-    # HumanEval; 1280 x 6: 1.497, paired; docs/decisions.md decisions 16 and 18).
+    # serves; the draft trains in fp32. 4 passes over ~710 packed rows (1920 conversations): data is what
+    # raises the served AL at this size (640 conversations x 4 passes: 1.40 at K = 4 on HumanEval; 1280 x 6:
+    # 1.497; 1920 x 4, the same steps: 1.555; docs/decisions.md decisions 16, 18 and 19).
     return {
         "name": "demo: SmolLM2-135M draft on ShareGPT (CPU)",
         "tags": ["demo"],
@@ -27,7 +27,7 @@ def _demo() -> dict[str, Any]:
         # target itself and the features are captured through the engine; without it, transformers and the
         # original answers (regeneration with `generate` would take hours on 2 cores).
         "data": {
-            "sources": [{"path": "builtin:sharegpt", "max_samples": 1280}],
+            "sources": [{"path": "builtin:sharegpt", "max_samples": 1920}],
             "max_length": 512,
             "eval_samples": 16,
             "regenerate": {"enabled": "auto", "max_new_tokens": 256, "batch_size": 64, "on_length": "keep"},
@@ -38,7 +38,7 @@ def _demo() -> dict[str, Any]:
         "peagle": {"num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2, "depth_decay": 0.1},
         "optim": {
             "lr": 1e-3,
-            "epochs": 6,
+            "epochs": 4,
             "max_steps": 2880,
             "pack_length": 1024,
             "schedule": "cosine",

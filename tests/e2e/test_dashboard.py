@@ -313,9 +313,9 @@ def test_dry_run_shows_phase_times_accuracy_and_funnel(page: object) -> None:
     est.locator(".funnel").wait_for()
     assert "calibrated model" in est.locator("[data-accuracy]").inner_text()
     assert "training:" in est.locator(".estimate-phases li[data-phase='training']").inner_text()
-    # the demo's 1280 conversations (docs/decisions.md decision 18), as the data profile measured them
-    assert "174 too long no assistant left" in est.locator("[data-reason='too_long_no_assistant_left']").inner_text()
-    assert "1,306 conversations read" in est.locator(".funnel").inner_text()
+    # the demo's 1920 conversations (docs/decisions.md decision 19), as the data profile measured them
+    assert "242 too long no assistant left" in est.locator("[data-reason='too_long_no_assistant_left']").inner_text()
+    assert "1,958 conversations read" in est.locator(".funnel").inner_text()
 
 
 def test_jobs_list_shows_each_jobs_measured_al(page: object, server: Server, feeder: object) -> None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import copy
 
-from bench.bench_method import ADDED_FIELDS, DEMO_640, OF_THE_DEMO, VARIANTS, spec_hash, variant_spec
+from bench.bench_method import (
+    ADDED_FIELDS,
+    DEMO_640,
+    OF_THE_DEMO,
+    VARIANTS,
+    needs_baseline,
+    spec_hash,
+    variant_spec,
+)
 
 
 def test_added_fields_at_their_old_value_keep_the_old_run_names() -> None:
@@ -22,11 +30,23 @@ def test_added_fields_at_their_old_value_keep_the_old_run_names() -> None:
 
 
 def test_the_variants_of_the_640_conversation_demo_keep_their_pairing() -> None:
-    # the demo moved to 1280 conversations x 6 passes (docs/decisions.md decision 18); the variants measured
-    # against the 640-conversation demo are still one knob away from it
+    # the demo moved to 1280 conversations x 6 passes, then 1920 x 4 (docs/decisions.md decisions 18 and 19);
+    # the variants measured against the 640-conversation demo are still one knob away from it
     for name, (_knob, _value, over) in VARIANTS.items():
         assert (set(DEMO_640) <= set(over)) == (name not in OF_THE_DEMO), name
     assert {k: VARIANTS["keep_r05"][2][k] for k in DEMO_640} == DEMO_640
     assert spec_hash(variant_spec(VARIANTS["demo_640"][2])) == spec_hash(variant_spec(VARIANTS["epochs_4"][2]))
-    assert spec_hash(variant_spec(VARIANTS["data_2x_epochs_6"][2])) == spec_hash(variant_spec({}))  # the demo now
+    assert spec_hash(variant_spec(VARIANTS["data_3x_epochs_4"][2])) == spec_hash(variant_spec({}))  # the demo now
+    assert spec_hash(variant_spec(VARIANTS["data_2x_epochs_6"][2])) == "ebcb4c8b85e1"  # the demo before, its run kept
     assert spec_hash(variant_spec(VARIANTS["decay_03"][2])) != spec_hash(variant_spec({"peagle.depth_decay": 0.3}))
+
+
+def test_only_the_peer_and_variants_on_the_presets_data_wait_for_the_baseline() -> None:
+    specs = {n: variant_spec(VARIANTS[n][2]) for n in VARIANTS if n != "peer"}
+    assert needs_baseline(["peer"], specs)
+    assert needs_baseline(["baseline"], specs)
+    assert needs_baseline(["keep_r05", "baseline"], specs)
+    # data of their own: the 640-conversation variants, and the other data sizes
+    assert not needs_baseline(["keep_r05", "demo_640"], specs)
+    assert not needs_baseline(["data_2x_epochs_6", "data_2x_epochs_4"], specs)
+    assert needs_baseline(["data_3x_epochs_6"], specs)  # the demo's 1920 conversations: the baseline's data
