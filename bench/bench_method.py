@@ -191,7 +191,7 @@ def data_dir(spec: dict[str, Any]) -> Path:
 def needs_baseline(names: list[str], specs: dict[str, dict[str, Any]]) -> bool:
     """Whether running `names` needs the baseline trained first: the peer trains on its features, and a
     variant on the preset's own data (DATA) reuses what the baseline prepared. A variant with data of its own
-    (another size: `data_3x_epochs_4`; the 640-conversation variants) prepares it itself."""
+    (another size: `data_2x_epochs_6`; the 640-conversation variants) prepares it itself."""
     return "peer" in names or any(data_dir(specs[n]) == DATA for n in names if n != "peer")
 
 

@@ -13,8 +13,8 @@ __all__ = ["preset", "preset_names"]
 
 
 def _demo() -> dict[str, Any]:
-    # SmolLM2-135M on ShareGPT, sized for a 2-core CPU: about an hour end to end with vLLM on a quiet
-    # machine (README benchmarks).
+    # SmolLM2-135M on ShareGPT, sized for a 2-core CPU: about 70 minutes end to end with vLLM on a quiet
+    # machine, about two hours on a slow one (README, docs/decisions.md decision 19).
     # bf16 target: capture is 2.2x faster than fp32 on this CPU (avx512_bf16) and it is the dtype vLLM
     # serves; the draft trains in fp32. 4 passes over ~710 packed rows (1920 conversations): data is what
     # raises the served AL at this size (640 conversations x 4 passes: 1.40 at K = 4 on HumanEval; 1280 x 6:
