@@ -61,7 +61,7 @@ TARGET_AL, TARGET_VS_PEER = 1.5, 1.10
 DEMO_640: dict[str, Any] = {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 640}], "optim.epochs": 4,
                             "optim.max_steps": 960}
 #: Variants of the demo itself (paired with `baseline`, not with `demo_640`).
-OF_THE_DEMO = ("baseline", "peer")
+OF_THE_DEMO = ("baseline", "peer", "demo_all_positions")
 
 
 def _640(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +136,20 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "data_3x_epochs_6": ("data.sources max_samples (6 epochs)", 1920,
                          {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1920}], "optim.epochs": 6,
                           "optim.max_steps": 4320}),
+    # the target's logits are captured at every position: train on the prompts' tokens too (held-out metrics
+    # and AL still score the answers)
+    "all_positions": ("peagle.loss_positions", "all", {"peagle.loss_positions": "all"}),
+    # EAGLE's training noise on the target features, relative to each aux state's RMS, against memorising the
+    # rows; SmolLM2's aux states have outlier channels (RMS about 3x the typical channel's magnitude), so a = 0.03
+    # is about 10% of a typical channel (EAGLE's U(-0.1, 0.1) on features of about 1) and 0.1 about 30%
+    "noise_003": ("peagle.feature_noise", 0.03, {"peagle.feature_noise": 0.03}),
+    "noise_01": ("peagle.feature_noise", 0.1, {"peagle.feature_noise": 0.1}),
+    # the three that did not lower AL, together (docs/decisions.md decision 20)
+    "all_frozen_noise": ("all positions, frozen lm_head, noise 0.03", None,
+                         {"peagle.loss_positions": "all", "draft.freeze_lm_head": True, "peagle.feature_noise": 0.03}),
+    # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: its own regenerated and
+    # captured data when the baseline has not run in this checkout
+    "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }
 VARIANTS = {name: (knob, value, over if name in OF_THE_DEMO else _640(over))
@@ -164,7 +178,9 @@ def variant_spec(overrides: dict[str, Any]) -> dict[str, Any]:
 
 #: Spec fields added after runs were cached, with the value that reproduces the runs made before they
 #: existed: left out of the hash at that value, so those runs stay found (and are not trained again).
-ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.0}
+ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.0,
+                                             ("peagle", "loss_positions"): "assistant",
+                                             ("peagle", "feature_noise"): 0.0}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
@@ -189,10 +205,10 @@ def data_dir(spec: dict[str, Any]) -> Path:
 
 
 def needs_baseline(names: list[str], specs: dict[str, dict[str, Any]]) -> bool:
-    """Whether running `names` needs the baseline trained first: the peer trains on its features, and a
-    variant on the preset's own data (DATA) reuses what the baseline prepared. A variant with data of its own
-    (another size: `data_2x_epochs_6`; the 640-conversation variants) prepares it itself."""
-    return "peer" in names or any(data_dir(specs[n]) == DATA for n in names if n != "peer")
+    """Whether running `names` needs the baseline trained first: the peer trains on its run's features. Any
+    other variant prepares the data it needs when its data directory has none (the first run on the preset's
+    data writes DATA, and every later one reuses it), so it does not wait for the baseline's training."""
+    return "peer" in names
 
 
 def link_data(run: Path, data: Path = DATA) -> None:

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PackedRows", "document_prompts", "document_spans", "pack_documents", "shift_features", "shift_rows"]
+__all__ = [
+    "PackedRows", "document_prompts", "document_spans", "next_in_document", "pack_documents", "shift_features",
+    "shift_rows",
+]
 
 
 @dataclass
@@ -106,13 +109,22 @@ def _shift_left(x: Tensor) -> Tensor:
     return out
 
 
+def next_in_document(document_ids: Tensor) -> Tensor:
+    """[B, T] bool: slot i is a real token whose next token (i + 1) is in the same document, i.e. the
+    slots that have a target at all once shifted (`loss_positions` "all" trains every one of them).
+
+    >>> next_in_document(torch.tensor([[0, 0, 1, 1, -1]])).int().tolist()
+    [[1, 0, 1, 0, 0]]
+    """
+    nxt_doc = torch.full_like(document_ids, -1)
+    nxt_doc[:, :-1] = document_ids[:, 1:]
+    return (nxt_doc == document_ids) & (document_ids >= 0)
+
+
 def shift_rows(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The shift (docs/decisions.md decision 1) of the token-level tensors ([B, T] each); see the module docstring."""
     ids = _shift_left(input_ids)  # [B, T]
-    nxt_doc = torch.full_like(document_ids, -1)
-    nxt_doc[:, :-1] = document_ids[:, 1:]
-    same = (nxt_doc == document_ids) & (document_ids >= 0)
-    mask = _shift_left(loss_mask) * same.to(loss_mask.dtype)  # [B, T]
+    mask = _shift_left(loss_mask) * next_in_document(document_ids).to(loss_mask.dtype)  # [B, T]
     return ids, mask, document_ids.clone()
 
 
@@ -129,11 +141,9 @@ def shift_features(
     ids, mask, doc = shift_rows(input_ids, loss_mask, document_ids)
     target = torch.zeros_like(logits)
     target[:, :-1] = logits[:, 1:]  # [B, T, Vd]
-    nxt_doc = torch.full_like(doc, -1)
-    nxt_doc[:, :-1] = doc[:, 1:]
     # padding slots carry no features; a slot whose next token is in another document has no target
     aux = aux.masked_fill((doc < 0).unsqueeze(-1), 0.0)
-    target = target.masked_fill((nxt_doc != doc).unsqueeze(-1) | (doc < 0).unsqueeze(-1), 0.0)
+    target = target.masked_fill(~next_in_document(doc).unsqueeze(-1), 0.0)
     return {"input_ids": ids, "loss_mask": mask, "document_ids": doc, "aux": aux, "target_logits": target}
 
 

@@ -248,6 +248,21 @@ class PEagleSpec(_Strict):
         "NeMo); below 1 it is sharpened toward the greedy token that verification accepts; 0 = cross-entropy on "
         "the target's argmax (docs/decisions.md decision 17).",
     )
+    loss_positions: Literal["assistant", "all"] = Field(
+        default="assistant",
+        description="Training positions: `assistant` = the assistant tokens of the loss mask (speculators, NeMo); "
+        "`all` = every token whose next token is in the same conversation, prompts included (the target's logits "
+        "are captured there too). Held-out metrics always score the assistant tokens "
+        "(docs/decisions.md decision 20).",
+    )
+    feature_noise: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=10.0,
+        description="a: training adds uniform noise in [-a, a] x RMS to each aux state of each token (EAGLE's "
+        "feature noise, scaled to each state's own size); 0 = off. Held-out metrics and serving see the clean "
+        "features (docs/decisions.md decision 20).",
+    )
 
 
 class OptimSpec(_Strict):

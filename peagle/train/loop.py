@@ -24,6 +24,7 @@ import torch
 
 from peagle.cod.loss import LOSS_EPS, CodMetrics
 from peagle.cod.rows import weight_sum
+from peagle.data.packing import next_in_document
 from peagle.errors import TrainingInterrupted
 from peagle.model.attention import select_attention
 from peagle.model.draft import PEagleDraft
@@ -45,6 +46,8 @@ from peagle.train.step import (
     DraftObjective,
     StepSettings,
     StepTimes,
+    add_feature_noise,
+    noise_generator,
     plan_rows,
     run_micro_batch,
 )
@@ -216,6 +219,11 @@ class Trainer:
             t0 = time.perf_counter()
             epoch, index = divmod(j, self.num_batches)
             batch, row_ids = self._load_batch(self.source, epoch, index)
+            if self.spec.peagle.loss_positions == "all":  # prompts too; held-out metrics keep the assistant mask
+                batch = {**batch, "loss_mask": next_in_document(batch["document_ids"]).to(batch["loss_mask"].dtype)}
+            if self.spec.peagle.feature_noise > 0:  # training only: held-out metrics see the clean features
+                gens = [noise_generator(self.spec.optim.seed, epoch, index, gid) for gid in row_ids]
+                batch = {**batch, "aux": add_feature_noise(batch["aux"], self.spec.peagle.feature_noise, gens)}
             rows = plan_rows(batch, self.settings, epoch=epoch, index=index, row_ids=row_ids)
             den = self.dist.all_reduce_sum(weight_sum(rows).to(self.device)).clamp_min(LOSS_EPS)
             tokens += int((batch["document_ids"] >= 0).sum())

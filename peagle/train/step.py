@@ -73,8 +73,10 @@ __all__ = [
     "StepSettings",
     "StepTimes",
     "UnitInputs",
+    "add_feature_noise",
     "coalesce_embedding_grad",
     "cod_generator",
+    "noise_generator",
     "plan_rows",
     "release_free_memory",
     "run_micro_batch",
@@ -116,10 +118,39 @@ class StepTimes:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def _row_key(seed: int, epoch: int, index: int, row: int) -> int:
+    return (((seed * 1_000_003 + epoch) * 1_000_033 + index) * 65_537 + row) % (2**63 - 1)
+
+
 def cod_generator(seed: int, epoch: int, index: int, row: int) -> torch.Generator:
     """CPU generator of the COD draw of global row `row` of micro-batch (epoch, index)."""
-    key = (((seed * 1_000_003 + epoch) * 1_000_033 + index) * 65_537 + row) % (2**63 - 1)
-    return torch.Generator().manual_seed(key)
+    return torch.Generator().manual_seed(_row_key(seed, epoch, index, row))
+
+
+def noise_generator(seed: int, epoch: int, index: int, row: int) -> torch.Generator:
+    """CPU generator of the feature noise of global row `row` of micro-batch (epoch, index): keyed like
+    `cod_generator`, on a stream of its own."""
+    return torch.Generator().manual_seed((_row_key(seed, epoch, index, row) * 31 + 17) % (2**63 - 1))
+
+
+def add_feature_noise(aux: Tensor, amplitude: float, generators: list[torch.Generator]) -> Tensor:
+    """EAGLE's training noise on the target features, scaled to each state's own size.
+
+    Args:
+        aux: [B, T, 3H] captured aux states (any float dtype; padding slots are zero).
+        amplitude: a; each element gets u * a * rms, u ~ U(-1, 1), where rms is the RMS of that token's aux
+            state (one of the 3) over its H channels, so a zero (padding) state stays zero.
+        generators: one CPU generator per row (`noise_generator`): a row's noise does not depend on which
+            rank or micro-batch holds it, so DDP, partitioning and resume see the same draw.
+
+    Returns:
+        [B, T, 3H] float32.
+    """
+    b, t, h3 = aux.shape
+    x = aux.float().reshape(b, t, 3, h3 // 3)  # [B, T, 3, H]
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 3, 1]
+    u = torch.stack([torch.rand(t, 3, h3 // 3, generator=g) for g in generators]).to(x.device) * 2 - 1
+    return (x + u * amplitude * rms).reshape(b, t, h3)
 
 
 class UnitInputs:

@@ -10,6 +10,7 @@ from bench.bench_method import (
     DEMO_640,
     OF_THE_DEMO,
     VARIANTS,
+    data_dir,
     needs_baseline,
     spec_hash,
     variant_spec,
@@ -41,12 +42,13 @@ def test_the_variants_of_the_640_conversation_demo_keep_their_pairing() -> None:
     assert spec_hash(variant_spec(VARIANTS["decay_03"][2])) != spec_hash(variant_spec({"peagle.depth_decay": 0.3}))
 
 
-def test_only_the_peer_and_variants_on_the_presets_data_wait_for_the_baseline() -> None:
+def test_only_the_peer_waits_for_the_baseline() -> None:
     specs = {n: variant_spec(VARIANTS[n][2]) for n in VARIANTS if n != "peer"}
     assert needs_baseline(["peer"], specs)
-    assert needs_baseline(["baseline"], specs)
-    assert needs_baseline(["keep_r05", "baseline"], specs)
-    # data of their own: the 640-conversation variants, and the other data sizes
+    assert needs_baseline(["keep_r05", "peer"], specs)
+    # every other variant prepares its data when there is none: the 640-conversation variants, other data
+    # sizes, and variants on the preset's own data (the first writes DATA)
     assert not needs_baseline(["keep_r05", "demo_640"], specs)
     assert not needs_baseline(["data_2x_epochs_6", "data_2x_epochs_4"], specs)
-    assert needs_baseline(["data_3x_epochs_6"], specs)  # the demo's 1920 conversations: the baseline's data
+    assert not needs_baseline(["data_3x_epochs_6", "demo_all_positions"], specs)
+    assert data_dir(specs["demo_all_positions"]) == data_dir(specs["baseline"])  # the preset's data, shared

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from train_helpers import tiny_draft, tiny_source, tiny_spec
 
+from peagle.data.packing import next_in_document
 from peagle.train.checkpoint import read_state
 from peagle.train.loop import Trainer
 from peagle.train.progress import RecordingSink
@@ -120,3 +121,47 @@ def test_resume_after_sigterm_and_sigkill_gives_the_uninterrupted_weights(tmp_pa
     for f in meta["files"]:
         data = (run / "checkpoints" / "step_000010" / f["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == f["sha256"]
+
+
+def test_loss_positions_all_trains_every_in_document_slot_and_keeps_held_out_on_the_answers() -> None:
+    """`peagle.loss_positions` "all": a training step supervises every slot whose next token is in its
+    document (prompts included), "assistant" only the loss mask's; held-out metrics score the loss mask in
+    both, so the two runs' eval numbers stay comparable."""
+    source = tiny_source(num_batches=1)
+    batch = source.batch(0, 0)
+    answers, every = int(batch["loss_mask"].sum()), int(next_in_document(batch["document_ids"]).sum())
+    assert 0 < answers < every  # the synthetic rows have unsupervised in-document slots
+
+    def one_step(positions: str) -> tuple[Trainer, dict[str, float]]:
+        spec = tiny_spec(peagle={"num_depths": 1, "loss_positions": positions})
+        trainer = Trainer(spec, tiny_draft(), source, eval_source=source)
+        before = trainer.evaluate()
+        trainer._train_step(trainer.objective)
+        return trainer, before
+
+    assistant, eval_assistant = one_step("assistant")
+    everything, eval_all = one_step("all")
+    assert float(assistant.interval.acc_total[0]) == answers
+    assert float(everything.interval.acc_total[0]) == every
+    assert eval_all == eval_assistant  # the same draft before the step: held-out ignores the knob
+    assert everything.evaluate() != assistant.evaluate()  # the step itself differed
+
+
+def test_feature_noise_reaches_the_training_step_only() -> None:
+    """`peagle.feature_noise` > 0 changes what a training step computes (the loss of the same draft on the
+    same batch) and the weights it leaves, and not the held-out metrics, which see the clean features."""
+
+    def one_step(noise: float) -> tuple[float, dict[str, float], torch.Tensor]:
+        spec = tiny_spec(peagle={"num_depths": 2, "feature_noise": noise})
+        trainer = Trainer(spec, tiny_draft(), tiny_source(num_batches=1), eval_source=tiny_source(num_batches=1))
+        before = trainer.evaluate()
+        loss = trainer._train_step(trainer.objective)["loss"]
+        return loss, before, trainer.draft.fc.weight.detach().clone()
+
+    clean_loss, clean_eval, clean_fc = one_step(0.0)
+    noisy_loss, noisy_eval, noisy_fc = one_step(0.5)
+    assert noisy_eval == clean_eval
+    assert noisy_loss != clean_loss
+    assert not torch.equal(noisy_fc, clean_fc)
+    again_loss, _, again_fc = one_step(0.5)  # keyed: the same noise again
+    assert again_loss == noisy_loss and torch.equal(again_fc, noisy_fc)

@@ -14,7 +14,15 @@ from peagle.cod.mask import check_dense_fits
 from peagle.cod.rows import loss_denominator
 from peagle.errors import ResourceError
 from peagle.model.draft import PEagleDraft
-from peagle.train.step import DraftObjective, StepSettings, plan_rows, run_micro_batch
+from peagle.train.step import (
+    DraftObjective,
+    StepSettings,
+    add_feature_noise,
+    cod_generator,
+    noise_generator,
+    plan_rows,
+    run_micro_batch,
+)
 
 
 def _settings(num_segments: int, num_depths: int = 4) -> StepSettings:
@@ -291,3 +299,26 @@ def test_inject_grad_adds_to_the_leading_rows() -> None:
     expect = torch.full_like(x, 2.0)
     expect[:, :, :2] += g
     torch.testing.assert_close(x.grad, expect)
+
+
+def test_feature_noise_is_relative_bounded_keyed_and_spares_padding() -> None:
+    """`add_feature_noise`: |noise| <= a x the RMS of each token's aux state; a zero (padding) state stays
+    zero; scaling the features scales the noise; a row's draw depends only on its key."""
+    torch.manual_seed(0)
+    aux = torch.randn(2, 5, 3 * 8) * torch.tensor([0.1, 1.0, 30.0]).repeat_interleave(8)  # 3 states, 3 sizes
+    aux[1, 4] = 0.0  # padding
+    gens = lambda: [noise_generator(0, 1, 2, r) for r in (7, 8)]  # noqa: E731
+    out = add_feature_noise(aux, 0.2, gens())
+    x, y = aux.reshape(2, 5, 3, 8), out.reshape(2, 5, 3, 8)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = y - x
+    assert bool((noise.abs() <= 0.2 * rms + 1e-6).all())
+    assert float(noise.abs().max()) > 0.1 * float(rms.max())  # it is there, not vanishingly small
+    assert bool((out[1, 4] == 0).all())
+    torch.testing.assert_close(add_feature_noise(aux * 4, 0.2, gens()), out * 4)
+    torch.testing.assert_close(add_feature_noise(aux, 0.2, gens()), out)
+    # the draw is keyed by the row's id, not by its slot in the batch
+    swapped = add_feature_noise(aux, 0.2, [noise_generator(0, 1, 2, r) for r in (8, 7)])
+    torch.testing.assert_close(swapped[:1], add_feature_noise(aux[:1], 0.2, [noise_generator(0, 1, 2, 8)]))
+    assert not torch.allclose(swapped[0], out[0])
+    assert cod_generator(0, 1, 2, 7).initial_seed() != noise_generator(0, 1, 2, 7).initial_seed()
