@@ -66,6 +66,10 @@ THROUGHPUT = {("small", "cpu"): 930.0, ("tiny", "cpu"): 40_000.0, ("large", "cud
 DECODE = {("small", "cpu"): 6.0, ("tiny", "cpu"): 2_000.0, ("large", "cuda"): 40.0, ("small", "cuda"): 300.0,
           ("large", "cpu"): 0.5, ("tiny", "cuda"): 2_000.0}
 LOAD_SECONDS = {"tiny": 1.0, "small": 3.0, "large": 60.0}
+# a step that trains every position (`peagle.loss_positions` all) costs this much more than one that trains
+# the answers: 1.44x the depth-0 elements on ShareGPT, 573 s against 467-530 s for 944 demo steps
+# (docs/decisions.md decision 20)
+ALL_POSITIONS_STEP_COST = 1.2
 # tokens generated per second when regenerating answers, per engine, size class and device (small/cpu:
 # SmolLM2 bf16 on 2 cores, vLLM with 64 conversations in flight vs transformers `generate` batch 8).
 REGEN_TOKENS_PER_S = {("vllm", "small", "cpu"): 400.0, ("hf", "small", "cpu"): 10.0,
@@ -210,7 +214,7 @@ def model_seconds(
     o = spec.optim
     step_tokens = o.pack_length * o.micro_batch_size * o.grad_accumulation
     tps = THROUGHPUT[(size, dev)] * gpus
-    train_tokens = steps * step_tokens
+    train_tokens = steps * step_tokens * (ALL_POSITIONS_STEP_COST if spec.peagle.loss_positions == "all" else 1.0)
     captured_tokens = packed_rows * o.pack_length
     capture = 0.0 if spec.resources.capture == "online" else captured_tokens / (3.0 * tps)
     # held-out evals (at checkpoints or every eval.every_steps) forward the eval rows: about one step each

@@ -81,3 +81,19 @@ def test_offline_capture_is_estimated_once_whatever_the_epochs() -> None:
     one, four = phases(1), phases(4)
     assert one["capturing"] > 0 and four["capturing"] == one["capturing"]
     assert four["training"] > 3 * one["training"]
+
+
+def test_training_every_position_is_estimated_dearer_and_nothing_else() -> None:
+    # `peagle.loss_positions` all trains 1.44x the elements of the same rows: training 1.2x, capture the same
+    from api.estimate import ALL_POSITIONS_STEP_COST, estimate
+    from peagle.spec import parse_spec, preset
+
+    def phases(positions: str) -> dict[str, float]:
+        data = preset("demo").model_dump(mode="json")
+        data["peagle"]["loss_positions"] = positions
+        data["resources"]["target_engine"] = "vllm"
+        return dict(estimate(parse_spec(data), dataset_rows={}, queue="q", queue_position=0)["phase_seconds"])
+
+    answers, every = phases("assistant"), phases("all")
+    assert every["capturing"] == answers["capturing"] and every["regenerating"] == answers["regenerating"]
+    assert every["training"] > answers["training"] * (1 + (ALL_POSITIONS_STEP_COST - 1) / 2)
