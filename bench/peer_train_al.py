@@ -9,6 +9,8 @@ and imports peagle from this checkout only for the DATA side, so both drafts see
     order per seed, same shift of docs/decisions.md decision 1, same target logits restricted to the draft
     vocab); an online run (no shards) captures the same rows in-process (`build_batch_source`);
   * the same optimizer settings (AdamW lr/betas/wd, schedule, warmup, grad clip), steps and seed;
+  * the same training positions: the loss mask, or every in-document slot when the run trains all of them
+    (`peagle.loss_positions` all), passed as the peer's `loss_mask`;
   * embeddings and lm_head rows initialised from the target, as both implementations do.
 
 The peer computes its own COD sampling, mask, forward and KL loss (`loss_config` kl_div, eager). The
@@ -57,7 +59,7 @@ def main() -> int:
     from speculators.models.peagle.config import PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    from peagle.data.packing import PackedRows
+    from peagle.data.packing import PackedRows, next_in_document
     from peagle.data.prepare import PreparedData
     from peagle.data.vocab import load_vocab
     from peagle.export.writer import export_draft, layer_config_from_draft
@@ -124,12 +126,15 @@ def main() -> int:
         epoch, index = divmod(step, nb)
         batch = source.batch(epoch, index)
         b = 0  # micro_batch_size 1 (the demo preset); one packed row per step
+        loss_mask = batch["loss_mask"][b : b + 1]
+        if p.loss_positions == "all":  # the run's own training positions (docs/decisions.md decision 20)
+            loss_mask = next_in_document(batch["document_ids"][b : b + 1]).to(loss_mask.dtype)
         # features as stored (bf16 from a bf16 target) upcast to the peer's fp32, as our draft upcasts them
         _, loss, _metrics = peer(
             hidden_states=batch["aux"][b : b + 1].float(),
             input_ids=batch["input_ids"][b : b + 1],
             document_ids=batch["document_ids"][b : b + 1],
-            loss_mask=batch["loss_mask"][b : b + 1],
+            loss_mask=loss_mask,
             verifier_last_hidden_states=batch["target_logits"][b : b + 1].float(),
             loss_config=loss_config,
             max_anchors=p.max_anchors,
