@@ -59,7 +59,7 @@ TARGET_AL, TARGET_VS_PEER = 1.5, 1.10
 #: The variants measured against it (docs/decisions.md decisions 14, 15, 16, 17) carry it: they keep their
 #: pairing and their runs.
 DEMO_640: dict[str, Any] = {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 640}], "optim.epochs": 4,
-                            "optim.max_steps": 960}
+                            "optim.max_steps": 960, "peagle.loss_positions": "assistant"}
 #: Variants of the demo itself (paired with `baseline`, not with `demo_640`).
 OF_THE_DEMO = ("baseline", "peer", "demo_all_positions")
 
@@ -129,7 +129,8 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "data_2x_epochs_6": ("data.sources max_samples (6 epochs, 6x the 1-pass steps)", 1280,
                          {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1280}], "optim.epochs": 6,
                           "optim.max_steps": 2880}),
-    # 3x the data in the steps (the training time) of the 1280 x 6 demo: the demo now (docs/decisions.md decision 19)
+    # 3x the data in the steps (the training time) of the 1280 x 6 demo: the demo of docs/decisions.md decision 19,
+    # which trained the answers only (DEMO_640's loss_positions), before docs/decisions.md decision 20
     "data_3x_epochs_4": ("data.sources max_samples (4 epochs: the demo's steps)", 1920,
                          {"data.sources": [{"path": "builtin:sharegpt", "max_samples": 1920}], "optim.epochs": 4,
                           "optim.max_steps": 2880}),
@@ -147,8 +148,8 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # the three that did not lower AL, together (docs/decisions.md decision 20)
     "all_frozen_noise": ("all positions, frozen lm_head, noise 0.03", None,
                          {"peagle.loss_positions": "all", "draft.freeze_lm_head": True, "peagle.feature_noise": 0.03}),
-    # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: its own regenerated and
-    # captured data when the baseline has not run in this checkout
+    # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
+    # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
     "peer": ("speculators 0.9.0 PEagleDraftModel + loss (baseline spec)", None, {}),
 }

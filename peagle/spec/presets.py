@@ -13,12 +13,13 @@ __all__ = ["preset", "preset_names"]
 
 
 def _demo() -> dict[str, Any]:
-    # SmolLM2-135M on ShareGPT, sized for a 2-core CPU: about 70 minutes end to end with vLLM on a quiet
-    # machine, about two hours on a slow one (README, docs/decisions.md decision 19).
+    # SmolLM2-135M on ShareGPT, sized for a 2-core CPU: about 75 minutes end to end with vLLM on a quiet
+    # machine, about two hours on a slow one (README, docs/decisions.md decisions 19 and 20).
     # bf16 target: capture is 2.2x faster than fp32 on this CPU (avx512_bf16) and it is the dtype vLLM
     # serves; the draft trains in fp32. 4 passes over ~710 packed rows (1920 conversations): data is what
     # raises the served AL at this size (640 conversations x 4 passes: 1.40 at K = 4 on HumanEval; 1280 x 6:
-    # 1.497; 1920 x 4, the same steps: 1.555; docs/decisions.md decisions 16, 18 and 19).
+    # 1.497; 1920 x 4, the same steps: 1.555; docs/decisions.md decisions 16, 18 and 19), and so does training
+    # the prompts' tokens of the same rows (1.602; docs/decisions.md decision 20).
     return {
         "name": "demo: SmolLM2-135M draft on ShareGPT (CPU)",
         "tags": ["demo"],
@@ -34,8 +35,11 @@ def _demo() -> dict[str, Any]:
         },
         "draft": {"num_layers": 1, "draft_vocab_size": 8192},
         # depth_decay 0.1: at this size a token after a mask slot is accepted 1-2% of the time, and the loss
-        # the deeper depths take from depth 0 costs more AL than they add (docs/decisions.md decision 15)
-        "peagle": {"num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2, "depth_decay": 0.1},
+        # the deeper depths take from depth 0 costs more AL than they add (docs/decisions.md decision 15).
+        # loss_positions all: the prompts' tokens are trained too, 1.44x the supervised positions of the same
+        # captured rows (docs/decisions.md decision 20)
+        "peagle": {"num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2, "depth_decay": 0.1,
+                   "loss_positions": "all"},
         "optim": {
             "lr": 1e-3,
             "epochs": 4,

@@ -18,16 +18,16 @@ from bench.bench_method import (
 
 
 def test_added_fields_at_their_old_value_keep_the_old_run_names() -> None:
-    spec = variant_spec({})
+    spec = variant_spec(VARIANTS["demo_640"][2])
     before = copy.deepcopy(spec)
     for (section, field), value in ADDED_FIELDS.items():
-        assert spec[section][field] == value  # the preset (the baseline) runs at the value of the old runs
+        assert spec[section][field] == value  # the 640-conversation demo runs at the value of the old runs
         del before[section][field]  # the spec as it was dumped before the field existed
     assert spec_hash(spec) == spec_hash(before)
-    assert spec == variant_spec({})  # hashing does not change the spec it is given
+    assert spec == variant_spec(VARIANTS["demo_640"][2])  # hashing does not change the spec it is given
     # a variant that moves an added field is a run of its own
-    hashes = {spec_hash(variant_spec(VARIANTS[n][2])) for n in ("baseline", "target_t0", "target_t05")}
-    assert len(hashes) == 3
+    hashes = {spec_hash(variant_spec(VARIANTS[n][2])) for n in ("demo_640", "target_t0", "all_positions", "noise_01")}
+    assert len(hashes) == 4
 
 
 def test_the_variants_of_the_640_conversation_demo_keep_their_pairing() -> None:
@@ -37,7 +37,9 @@ def test_the_variants_of_the_640_conversation_demo_keep_their_pairing() -> None:
         assert (set(DEMO_640) <= set(over)) == (name not in OF_THE_DEMO), name
     assert {k: VARIANTS["keep_r05"][2][k] for k in DEMO_640} == DEMO_640
     assert spec_hash(variant_spec(VARIANTS["demo_640"][2])) == spec_hash(variant_spec(VARIANTS["epochs_4"][2]))
-    assert spec_hash(variant_spec(VARIANTS["data_3x_epochs_4"][2])) == spec_hash(variant_spec({}))  # the demo now
+    # the demo now trains every position (docs/decisions.md decision 20); the 1920 x 4 demo before it, the answers
+    assert spec_hash(variant_spec(VARIANTS["demo_all_positions"][2])) == spec_hash(variant_spec({}))
+    assert spec_hash(variant_spec(VARIANTS["data_3x_epochs_4"][2])) == "7ec4de73d795"
     assert spec_hash(variant_spec(VARIANTS["data_2x_epochs_6"][2])) == "ebcb4c8b85e1"  # the demo before, its run kept
     assert spec_hash(variant_spec(VARIANTS["decay_03"][2])) != spec_hash(variant_spec({"peagle.depth_decay": 0.3}))
 
