@@ -205,7 +205,7 @@ def data_dir(spec: dict[str, Any]) -> Path:
     return BASE / f"data-{key[:12]}"
 
 
-def needs_baseline(names: list[str], specs: dict[str, dict[str, Any]]) -> bool:
+def needs_baseline(names: list[str]) -> bool:
     """Whether running `names` needs the baseline trained first: the peer trains on its run's features. Any
     other variant prepares the data it needs when its data directory has none (the first run on the preset's
     data writes DATA, and every later one reuses it), so it does not wait for the baseline's training."""
@@ -383,7 +383,7 @@ def main() -> int:
         raise SystemExit(f"--peer-of {args.peer_of!r}: not a variant of ours; --list shows them")
     specs = {n: variant_spec(VARIANTS[n][2]) for n in VARIANTS if n != "peer"}
     baseline = RUNS / spec_hash(specs[args.peer_of])  # what the peer is paired with
-    if needs_baseline(names, specs):
+    if needs_baseline(names):
         baseline = train(args.peer_of, specs[args.peer_of])  # first: the peer trains on its run's features
     for name in names:
         run = train_peer(baseline) if name == "peer" else train(name, specs[name])

@@ -46,11 +46,11 @@ def test_the_variants_of_the_640_conversation_demo_keep_their_pairing() -> None:
 
 def test_only_the_peer_waits_for_the_baseline() -> None:
     specs = {n: variant_spec(VARIANTS[n][2]) for n in VARIANTS if n != "peer"}
-    assert needs_baseline(["peer"], specs)
-    assert needs_baseline(["keep_r05", "peer"], specs)
+    assert needs_baseline(["peer"])
+    assert needs_baseline(["keep_r05", "peer"])
     # every other variant prepares its data when there is none: the 640-conversation variants, other data
     # sizes, and variants on the preset's own data (the first writes DATA)
-    assert not needs_baseline(["keep_r05", "demo_640"], specs)
-    assert not needs_baseline(["data_2x_epochs_6", "data_2x_epochs_4"], specs)
-    assert not needs_baseline(["data_3x_epochs_6", "demo_all_positions"], specs)
+    assert not needs_baseline(["keep_r05", "demo_640"])
+    assert not needs_baseline(["data_2x_epochs_6", "data_2x_epochs_4"])
+    assert not needs_baseline(["data_3x_epochs_6", "demo_all_positions"])
     assert data_dir(specs["demo_all_positions"]) == data_dir(specs["baseline"])  # the preset's data, shared
