@@ -66,11 +66,20 @@ def select_attention(device: torch.device | str, requested: str = "auto") -> Att
     return AttentionBackend(requested)
 
 
+FLEX_RECOMPILE_LIMIT = 64  # Dynamo recompiles allowed for the compiled flex kernel (`_flex_kernel`)
+
+
 def _flex_kernel(cache: dict[str, Any], q: Tensor) -> Any:
     """Compiled flex attention on CUDA with head_dim >= 16 (Inductor's limit), eager flex otherwise."""
     if q.device.type != "cuda" or q.shape[-1] < 16:
         return flex_attention
     if "flex" not in cache:
+        # Dynamo keeps one cache for the flex_attention frame: each variant a run calls it in (training units,
+        # the no-grad context pass of partitioned steps, evaluation, bf16 autocast or not, with or without
+        # carried keys) is a recompile, and past `recompile_limit` (8 by default) Dynamo silently falls
+        # back to the unfused kernel that materialises the whole score matrix (seen on an H100, torch 2.11).
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, FLEX_RECOMPILE_LIMIT)
         cache["flex"] = torch.compile(flex_attention, dynamic=True)
     return cache["flex"]
 
