@@ -148,6 +148,11 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # the three that did not lower AL, together (docs/decisions.md decision 20)
     "all_frozen_noise": ("all positions, frozen lm_head, noise 0.03", None,
                          {"peagle.loss_positions": "all", "draft.freeze_lm_head": True, "peagle.feature_noise": 0.03}),
+    # a moving average of the weights (evaluated, exported) against memorising the rows, on the recipe of the
+    # demo now (every position): paired with `all_positions`
+    "all_ema_099": ("all positions, optim.ema_decay", 0.99, {"peagle.loss_positions": "all", "optim.ema_decay": 0.99}),
+    "all_ema_0995": ("all positions, optim.ema_decay", 0.995,
+                     {"peagle.loss_positions": "all", "optim.ema_decay": 0.995}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
@@ -181,7 +186,8 @@ def variant_spec(overrides: dict[str, Any]) -> dict[str, Any]:
 #: existed: left out of the hash at that value, so those runs stay found (and are not trained again).
 ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.0,
                                              ("peagle", "loss_positions"): "assistant",
-                                             ("peagle", "feature_noise"): 0.0}
+                                             ("peagle", "feature_noise"): 0.0,
+                                             ("optim", "ema_decay"): 0.0}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:

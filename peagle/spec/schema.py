@@ -283,6 +283,14 @@ class OptimSpec(_Strict):
         default=2048, ge=16, le=131072, description="Tokens per packed row (conversations are packed into it)."
     )
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed for data order, COD sampling, init.")
+    ema_decay: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="beta of an exponential moving average of the draft's weights, kept beside the trained "
+        "ones (step s uses min(beta, (1 + s) / (10 + s))). Held-out metrics, live AL, the best checkpoint "
+        "and the export use the average; training metrics are the trained weights'. 0 = off.",
+    )
 
 
 class CheckpointSpec(_Strict):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,14 @@ from peagle.train.checkpoint import (
     step_dirname,
 )
 from peagle.train.ddp import DistContext, all_reduce_row_grads, wrap_ddp
-from peagle.train.optim import build_optimizer, build_scheduler, clip_grad_norm, total_steps
+from peagle.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    ema_beta,
+    total_steps,
+    update_ema,
+)
 from peagle.train.progress import NullSink, ProgressSink
 from peagle.train.signals import GracefulShutdown
 from peagle.train.step import (
@@ -143,6 +150,12 @@ class Trainer:
         self.total_steps = total_steps(o, self.num_batches)
         self.scheduler = build_scheduler(self.optimizer, o, self.total_steps)
         self.step = 0
+        #: `optim.ema_decay` > 0: the moving average of the trainable weights (fp32, on the device); what
+        #: evaluation, live AL and checkpoints' drafts use (`averaged`)
+        self.ema: dict[str, torch.Tensor] | None = (
+            {n: q.detach().clone() for n, q in draft.named_parameters() if q.requires_grad}
+            if o.ema_decay > 0 else None
+        )
         self.interval = CodMetrics.zeros(p.num_depths)  # training metric sums since the last checkpoint
         self.last_eval: dict[str, float] = {}
         self._measured: tuple[int, dict[str, float]] | None = None  # (step, evaluate_hook result)
@@ -167,6 +180,25 @@ class Trainer:
     def _batch_size(self, source: BatchSource) -> int:
         size = getattr(source, "batch_size", None)
         return int(size) if isinstance(size, int) else self.spec.optim.micro_batch_size
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[PEagleDraft]:
+        """The draft with the moving average's weights for the duration (the trained ones restored after);
+        the draft itself when `optim.ema_decay` is 0."""
+        if self.ema is None:
+            yield self.draft
+            return
+        params = dict(self.draft.named_parameters())
+        trained = {n: params[n].detach().clone() for n in self.ema}
+        with torch.no_grad():
+            for n, avg in self.ema.items():
+                params[n].copy_(avg)
+        try:
+            yield self.draft
+        finally:
+            with torch.no_grad():
+                for n, w in trained.items():
+                    params[n].copy_(w)
 
     # ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -206,6 +238,11 @@ class Trainer:
                     raise TrainingInterrupted(f"interrupted after step {self.step}; resume with --resume auto")
         result.step = self.step
         result.eval_metrics = dict(self.last_eval)
+        if self.ema is not None:  # the run's result is the average (the trained weights stay in the checkpoints)
+            params = dict(self.draft.named_parameters())
+            with torch.no_grad():
+                for n, avg in self.ema.items():
+                    params[n].copy_(avg)
         return result
 
     def _train_step(self, model: torch.nn.Module) -> dict[str, float]:
@@ -242,8 +279,10 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        times.optimizer = time.perf_counter() - t0
         self.step += 1
+        if self.ema is not None:
+            update_ema(self.ema, dict(self.draft.named_parameters()), ema_beta(self.spec.optim.ema_decay, self.step))
+        times.optimizer = time.perf_counter() - t0
         vec = torch.cat([sums.stacked().cpu(), torch.tensor([float(tokens)], dtype=torch.float64)])
         vec = self.dist.all_reduce_sum(vec)
         reduced = CodMetrics.from_stacked(vec[:-1])
@@ -269,10 +308,11 @@ class Trainer:
             return {}
         self.objective.eval()
         sums = CodMetrics.zeros(self.settings.num_depths, device=self.device)
-        for index in range(self.eval_source.num_batches()):
-            batch, row_ids = self._load_batch(self.eval_source, 0, index)
-            rows = plan_rows(batch, self.settings, epoch=EVAL_EPOCH, index=index, row_ids=row_ids)
-            sums = sums + run_micro_batch(self.objective, self.draft, batch, rows, self.settings, scale=None)
+        with self.averaged() as draft:
+            for index in range(self.eval_source.num_batches()):
+                batch, row_ids = self._load_batch(self.eval_source, 0, index)
+                rows = plan_rows(batch, self.settings, epoch=EVAL_EPOCH, index=index, row_ids=row_ids)
+                sums = sums + run_micro_batch(self.objective, draft, batch, rows, self.settings, scale=None)
         self.objective.train()
         reduced = CodMetrics.from_stacked(self.dist.all_reduce_sum(sums.stacked().cpu()))
         self.last_eval = {eval_key(k): v for k, v in reduced.finalize().items()}
@@ -285,7 +325,8 @@ class Trainer:
         if self.evaluate_hook is None or not self.dist.is_main:
             return {}
         if self._measured is None or self._measured[0] != self.step:
-            self._measured = (self.step, self.evaluate_hook(self.draft, self.step))
+            with self.averaged() as draft:
+                self._measured = (self.step, self.evaluate_hook(draft, self.step))
         return dict(self._measured[1])
 
     # ----------------------------------------------------------------------------------------------
@@ -296,7 +337,8 @@ class Trainer:
             "step": self.step,
             "micro_batch": self._micro_range(self.step).start,
             "epoch": self._micro_range(self.step).start / self.num_batches,
-            "draft": {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.cpu()
+            # copies, not views: `checkpoint` swaps the average into the draft while this state is saved
+            "draft": {k: v.detach().to("cpu", torch.float32, copy=True) if v.is_floating_point() else v.cpu().clone()
                       for k, v in self.draft.state_dict().items()},
             "draft_config": self.draft.config.to_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -305,6 +347,8 @@ class Trainer:
             "last_eval": dict(self.last_eval),
             "rng_cpu": torch.get_rng_state(),
         }
+        if self.ema is not None:
+            state["ema"] = {n: t.detach().to("cpu") for n, t in self.ema.items()}
         if torch.cuda.is_available() and self.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         return state
@@ -327,17 +371,19 @@ class Trainer:
             self.interval = CodMetrics.zeros(self.settings.num_depths)
         path = None
         if self.dist.is_main:
-            info = save_checkpoint(
-                self.ckpt_root,
-                step=self.step,
-                epoch=epoch,
-                training_state=self.training_state(),
-                metrics=metrics,
-                draft=self.draft,
-                extra_writer=self.extra_writer,
-                keep_last=self.spec.checkpoints.keep_last,
-                select_best_by=self.select_best_by,
-            )
+            state = self.training_state()  # the trained weights (and the average) for resuming
+            with self.averaged() as draft:  # the checkpoint's draft and export: the average
+                info = save_checkpoint(
+                    self.ckpt_root,
+                    step=self.step,
+                    epoch=epoch,
+                    training_state=state,
+                    metrics=metrics,
+                    draft=draft,
+                    extra_writer=self.extra_writer,
+                    keep_last=self.spec.checkpoints.keep_last,
+                    select_best_by=self.select_best_by,
+                )
             self.sink.event("checkpoint", step=self.step, dir=info.dir, files=info.files, metrics=metrics,
                             is_best=info.is_best)
             path = info.path
@@ -354,6 +400,11 @@ class Trainer:
         self.draft.load_state_dict(state["draft"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None:
+            if "ema" not in state:
+                raise ValueError(f"{path.name} holds no weight average (optim.ema_decay was 0 when it was "
+                                 "saved); resume with the spec it was trained with, or start a new run")
+            self.ema = {n: state["ema"][n].to(self.device, torch.float32) for n in self.ema}
         self.step = int(state["step"])
         self.interval = CodMetrics.from_stacked(state["interval"].to(torch.float64))
         self.last_eval = dict(state.get("last_eval", {}))

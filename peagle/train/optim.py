@@ -36,8 +36,10 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm",
+    "ema_beta",
     "grad_rows",
     "total_steps",
+    "update_ema",
 ]
 
 
@@ -297,3 +299,16 @@ def build_scheduler(
         min_ratio=optim.min_lr_ratio,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, sched)
+
+
+def ema_beta(decay: float, step: int) -> float:
+    """The average's beta after optimizer step `step` (1-based): `min(decay, (1 + step) / (10 + step))`, so
+    the first steps do not drag the average towards the initial weights."""
+    return min(decay, (1.0 + step) / (10.0 + step))
+
+
+@torch.no_grad()
+def update_ema(average: dict[str, Tensor], params: dict[str, Tensor], beta: float) -> None:
+    """`average[n] = beta * average[n] + (1 - beta) * params[n]`, in place, for every name of `average`."""
+    for name, avg in average.items():
+        avg.lerp_(params[name].detach().to(avg.dtype), 1.0 - beta)

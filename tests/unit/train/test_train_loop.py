@@ -11,13 +11,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from train_helpers import tiny_draft, tiny_source, tiny_spec
 
 from peagle.data.packing import next_in_document
-from peagle.train.checkpoint import read_state
+from peagle.train.checkpoint import load_training_state, read_state
 from peagle.train.loop import Trainer
+from peagle.train.optim import ema_beta
 from peagle.train.progress import RecordingSink
 
 HERE = Path(__file__).parent
@@ -183,3 +186,77 @@ def test_feature_noise_and_all_positions_resume_exactly_and_partition_exactly(tm
     parted = Trainer(tiny_spec(optim={"epochs": 2}, peagle={**knobs, "sequence_partitions": 3}), tiny_draft(),
                      tiny_source()).train()
     torch.testing.assert_close(torch.tensor(parted.losses), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
+
+
+def test_weight_average_is_what_evaluation_checkpoints_and_the_result_use(tmp_path: Path) -> None:
+    """optim.ema_decay: the trainer keeps the moving average of its weights; held-out metrics, the live-AL hook
+    and each checkpoint's draft see the average, the checkpoint's training state keeps the trained weights."""
+    spec = tiny_spec(optim={"lr": 1e-2, "epochs": 2, "grad_accumulation": 1, "ema_decay": 0.9})  # 8 steps
+    written: dict[int, dict[str, torch.Tensor]] = {}
+    hooked: dict[int, dict[str, torch.Tensor]] = {}
+
+    def writer(_tmp: Path, draft: Any) -> None:
+        written[len(written)] = {k: v.clone() for k, v in draft.state_dict().items()}
+
+    def hook(draft: Any, step: int) -> dict[str, float]:
+        hooked[step] = {k: v.clone() for k, v in draft.state_dict().items()}
+        return {}
+
+    trainer = Trainer(spec, tiny_draft(), tiny_source(), run_dir=tmp_path, eval_source=tiny_source(num_batches=1),
+                      extra_writer=writer, evaluate_hook=hook)
+    # the average by hand, beside the trainer's own steps
+    by_hand = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
+    trainer._maybe_resume()
+    while trainer.step < 3:
+        trainer._train_step(trainer.objective)
+        beta = ema_beta(0.9, trainer.step)
+        for n, p in trainer.draft.named_parameters():
+            by_hand[n] = beta * by_hand[n] + (1 - beta) * p.detach()
+    assert trainer.ema is not None
+    for n in by_hand:
+        torch.testing.assert_close(trainer.ema[n], by_hand[n], rtol=1e-6, atol=1e-7)
+        assert not torch.equal(trainer.ema[n], dict(trainer.draft.named_parameters())[n]) or n == "mask_hidden"
+
+    trained = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
+    ckpt = trainer.checkpoint(epoch=0.75)
+    assert ckpt is not None
+    for n, p in trainer.draft.named_parameters():  # the trained weights are back after the checkpoint
+        assert torch.equal(p, trained[n]), n
+    state = load_training_state(ckpt)
+    for n in trained:
+        assert torch.equal(state["draft"][n], trained[n]), n  # resuming continues the trained weights
+        assert torch.equal(state["ema"][n], trainer.ema[n]), n
+        assert torch.equal(written[0][n], trainer.ema[n]), n  # the checkpoint's export is the average
+        assert torch.equal(hooked[3][n], trainer.ema[n]), n  # so is the live-AL measurement
+
+    # held-out metrics are those of a draft holding the average
+    averaged = tiny_draft()
+    averaged.load_state_dict({**averaged.state_dict(), **{n: t.clone() for n, t in trainer.ema.items()}})
+    reference = Trainer(tiny_spec(), averaged, tiny_source(), eval_source=tiny_source(num_batches=1))
+    assert trainer.evaluate() == reference.evaluate()
+
+    trainer.train()  # the rest of the run; its result is the average
+    for n, p in trainer.draft.named_parameters():
+        assert torch.equal(p, trainer.ema[n]), n
+
+
+def test_weight_average_resumes_exactly(tmp_path: Path) -> None:
+    spec = tiny_spec(optim={"epochs": 2, "grad_accumulation": 1, "ema_decay": 0.8})  # 8 steps, checkpoints every 2
+    ref_trainer = Trainer(spec, tiny_draft(), tiny_source())
+    ref = ref_trainer.train()
+
+    Trainer(spec, tiny_draft(), tiny_source(), run_dir=tmp_path).train()
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000008")  # as if the run had died after step 6
+    resumed = Trainer(spec, tiny_draft(seed=5), tiny_source(), run_dir=tmp_path)
+    assert resumed.train().losses == ref.losses[6:]
+    assert resumed.ema is not None and ref_trainer.ema is not None
+    for name, value in ref_trainer.ema.items():
+        assert torch.equal(value, resumed.ema[name]), name
+    for name, value in ref_trainer.draft.state_dict().items():
+        assert torch.equal(value, resumed.draft.state_dict()[name]), name
+
+    # a checkpoint saved without an average cannot seed one
+    plain = tmp_path / "plain"
+    Trainer(tiny_spec(optim={"epochs": 1}), tiny_draft(), tiny_source(), run_dir=plain).train()
+    with pytest.raises(ValueError, match="no weight average"):
+        Trainer(tiny_spec(optim={"epochs": 2, "ema_decay": 0.8}), tiny_draft(), tiny_source(), run_dir=plain).train()
