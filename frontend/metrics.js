@@ -1,11 +1,11 @@
 // One-line definitions of every metric the dashboard shows (shown on hover and under chart titles).
 
 const FIXED = {
-  loss: "Training loss: forward KL(target || draft) over the draft vocabulary, averaged over supervised positions of all depths.",
-  eval_loss: "Held-out loss: the training loss computed on the eval rows (no gradient).",
-  full_acc: "Accuracy over all supervised positions of all depths (draft argmax == target argmax).",
-  tau_sim: "Simulated accepted draft tokens per step: tau = sum over k of prod_{j<=k} acc_j on the training batch (rows the draft learns from). Optimistic: 1 + tau is well above the measured AL, so use it to follow training, not as the AL.",
-  eval_tau_sim: "Simulated accepted draft tokens per step on held-out rows: sum_k prod_{j<=k} eval_acc_j. Optimistic: 1 + tau is above the measured AL (the demo draft: 1.53 vs 1.40), because serving asks depth 0 about the harder positions and never accepts a token outside the draft vocabulary; use it to compare checkpoints, not as the AL.",
+  loss: "Training loss: forward KL(target || draft) over the draft vocabulary, averaged over the trained positions of all depths (the answers' tokens; every token, prompts too, with peagle.loss_positions all).",
+  eval_loss: "Held-out loss: the training loss computed on the eval rows (no gradient), over the answers' tokens only whatever peagle.loss_positions says, by the weight average when optim.ema_decay is set.",
+  full_acc: "Accuracy over all trained positions of all depths (draft argmax == target argmax; prompts too with peagle.loss_positions all).",
+  tau_sim: "Simulated accepted draft tokens per step: tau = sum over k of prod_{j<=k} acc_j on the training batch (rows the draft learns from; prompts' tokens too with peagle.loss_positions all, which are easier to predict). Optimistic: 1 + tau is well above the measured AL, so use it to follow training, not as the AL.",
+  eval_tau_sim: "Simulated accepted draft tokens per step on held-out rows (answers' tokens only; the weight average's with optim.ema_decay): sum_k prod_{j<=k} eval_acc_j. Optimistic: 1 + tau is above the measured AL (the demo draft: 1.53 vs 1.40), because serving asks depth 0 about the harder positions and never accepts a token outside the draft vocabulary; use it to compare checkpoints, not as the AL.",
   acceptance_length: "Measured acceptance length AL = 1 + accepted / drafts, pooled over the eval prompts as vLLM counts it (eval.prompt_sets; the first set, or its first eval.al_num_prompts prompts during training), by the job's evaluation engine (eval.engine: the reference decoder or vLLM).",
   speedup: "Serving speedup measured in vLLM after training: tokens/s of the verifier with the draft / tokens/s of the verifier alone, same prompts, greedy, interleaved rounds (median), at batch 1 and at a batch of all speedup prompts. Below 1 the draft makes serving slower. It only holds on the hardware named in the tooltip.",
   vllm_acceptance_length: "Acceptance length measured by a real vLLM engine serving the export (the serve check), on the first eval prompt set.",
@@ -15,7 +15,7 @@ const FIXED = {
   time_fetch: "Seconds per step getting the batch: loading and packing data and, with online capture, the target model's forward pass that produces the features (usually the largest part on CPU).",
   time_forward: "Seconds per step in the forward passes (target capture + draft).",
   time_backward: "Seconds per step in the backward passes.",
-  time_optimizer: "Seconds per step in the optimizer update (clip, AdamW, schedule).",
+  time_optimizer: "Seconds per step in the optimizer update (clip, AdamW, schedule, and the weight average with optim.ema_decay).",
   epoch: "Fraction of passes over the training rows completed.",
 };
 
@@ -23,9 +23,9 @@ const FIXED = {
 export function define(key) {
   if (FIXED[key]) return FIXED[key];
   let m = /^acc_(\d+)$/.exec(key);
-  if (m) return `Depth-${m[1]} accuracy: fraction of positions where the draft's top token at depth ${m[1]} equals the target's (unconditional, training batch).`;
+  if (m) return `Depth-${m[1]} accuracy: fraction of positions where the draft's top token at depth ${m[1]} equals the target's (unconditional, training batch: prompts' tokens too with peagle.loss_positions all).`;
   m = /^eval_acc_(\d+)$/.exec(key);
-  if (m) return `Held-out depth-${m[1]} accuracy (unconditional).`;
+  if (m) return `Held-out depth-${m[1]} accuracy (unconditional, answers' tokens only).`;
   m = /^al_pos_(\d+)$/.exec(key);
   if (m) return `Measured acceptance rate at draft position ${m[1]}: accepted at position ${m[1]} / drafts.`;
   return key;
