@@ -47,12 +47,13 @@ def main() -> int:
     ap.add_argument("--slow", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--ema", type=float, default=0.0)
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
     spec = tiny_spec(
-        optim={"max_steps": args.steps, "epochs": 10, "grad_accumulation": 2},
+        optim={"max_steps": args.steps, "epochs": 10, "grad_accumulation": 2, "ema_decay": args.ema},
         peagle={"sequence_partitions": args.partitions},
     )
     source = tiny_source(num_batches=3)
