@@ -190,15 +190,18 @@ class Trainer:
             return
         params = dict(self.draft.named_parameters())
         trained = {n: params[n].detach().clone() for n in self.ema}
-        with torch.no_grad():
-            for n, avg in self.ema.items():
-                params[n].copy_(avg)
+        self._load_weights(self.ema)
         try:
             yield self.draft
         finally:
-            with torch.no_grad():
-                for n, w in trained.items():
-                    params[n].copy_(w)
+            self._load_weights(trained)
+
+    @torch.no_grad()
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy `weights` into the draft's parameters of the same names, in place."""
+        params = dict(self.draft.named_parameters())
+        for n, w in weights.items():
+            params[n].copy_(w)
 
     # ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -239,10 +242,7 @@ class Trainer:
         result.step = self.step
         result.eval_metrics = dict(self.last_eval)
         if self.ema is not None:  # the run's result is the average (the trained weights stay in the checkpoints)
-            params = dict(self.draft.named_parameters())
-            with torch.no_grad():
-                for n, avg in self.ema.items():
-                    params[n].copy_(avg)
+            self._load_weights(self.ema)
         return result
 
     def _train_step(self, model: torch.nn.Module) -> dict[str, float]:
