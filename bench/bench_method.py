@@ -153,6 +153,10 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "all_ema_099": ("all positions, optim.ema_decay", 0.99, {"peagle.loss_positions": "all", "optim.ema_decay": 0.99}),
     "all_ema_0995": ("all positions, optim.ema_decay", 0.995,
                      {"peagle.loss_positions": "all", "optim.ema_decay": 0.995}),
+    # logit matching beside the KL (the KL's high-temperature limit: the tail of the target's logits that the
+    # KL at T = 1 barely weighs), against memorising the rows: paired with `all_positions`
+    "all_logit_mse_1": ("all positions, peagle.logit_mse", 1.0, {"peagle.loss_positions": "all", "peagle.logit_mse": 1.0}),
+    "all_logit_mse_5": ("all positions, peagle.logit_mse", 5.0, {"peagle.loss_positions": "all", "peagle.logit_mse": 5.0}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
@@ -187,7 +191,8 @@ def variant_spec(overrides: dict[str, Any]) -> dict[str, Any]:
 ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.0,
                                              ("peagle", "loss_positions"): "assistant",
                                              ("peagle", "feature_noise"): 0.0,
-                                             ("optim", "ema_decay"): 0.0}
+                                             ("optim", "ema_decay"): 0.0,
+                                             ("peagle", "logit_mse"): 0.0}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 // One-line definitions of every metric the dashboard shows (shown on hover and under chart titles).
 
 const FIXED = {
-  loss: "Training loss: forward KL(target || draft) over the draft vocabulary, averaged over the trained positions of all depths (the answers' tokens; every token, prompts too, with peagle.loss_positions all).",
+  loss: "Training loss: forward KL(target || draft) over the draft vocabulary (plus peagle.logit_mse x the mean squared gap between the two logit rows, each centred, when set), averaged over the trained positions of all depths (the answers' tokens; every token, prompts too, with peagle.loss_positions all).",
   eval_loss: "Held-out loss: the training loss computed on the eval rows (no gradient), over the answers' tokens only whatever peagle.loss_positions says, by the weight average when optim.ema_decay is set.",
   full_acc: "Accuracy over all trained positions of all depths (draft argmax == target argmax; prompts too with peagle.loss_positions all).",
   tau_sim: "Simulated accepted draft tokens per step: tau = sum over k of prod_{j<=k} acc_j on the training batch (rows the draft learns from; prompts' tokens too with peagle.loss_positions all, which are easier to predict). Optimistic: 1 + tau is well above the measured AL, so use it to follow training, not as the AL.",

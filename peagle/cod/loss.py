@@ -17,8 +17,8 @@ from torch import Tensor
 from peagle.model.cpu_kernels import mm_nt
 from peagle.spec import metrics as metric_keys
 
-__all__ = ["LOSS_EPS", "CodMetrics", "cod_loss_sums", "head_loss_sums", "kl_per_position", "target_log_probs",
-           "tau_sim"]
+__all__ = ["LOSS_EPS", "CodMetrics", "centred_logit_gap", "cod_loss_sums", "head_loss_sums", "kl_per_position",
+           "target_log_probs", "tau_sim"]
 
 LOSS_EPS = 1e-5
 """Lower clamp of the count denominator (an all-unsupervised micro-batch gives loss 0, not NaN)."""
@@ -62,7 +62,8 @@ class _FusedKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    def forward(ctx, draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype, temperature: float,
+                logit_mse: float) -> Tensor:
         log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
         log_p = target_log_probs(target_logits, dtype, temperature)  # [*, Vd]
         p = log_p.exp()  # [*, Vd]
@@ -70,17 +71,22 @@ class _FusedKL(torch.autograd.Function):
         kl = torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
         del terms, log_p
         grad = log_q.exp_().sub_(p)  # [*, Vd]: q - p, in place over log_q
+        if logit_mse > 0:
+            gap = centred_logit_gap(draft_logits, target_logits, dtype)  # [*, Vd]
+            kl = kl + logit_mse * gap.pow(2).mean(-1)
+            grad.add_(gap, alpha=2.0 * logit_mse / gap.shape[-1])
         ctx.save_for_backward(grad)
         ctx.in_dtype = draft_logits.dtype
         return kl
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return (grad * grad_out.unsqueeze(-1)).to(ctx.in_dtype), None, None, None
+        return (grad * grad_out.unsqueeze(-1)).to(ctx.in_dtype), None, None, None, None
 
 
-def kl_per_position(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0) -> Tensor:
+def kl_per_position(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0,
+                    logit_mse: float = 0.0) -> Tensor:
     """KL(target || draft) over the last axis, in fp32 (fp64 inputs stay fp64).
 
     `sum_v p_v (log p_v - log q_v)` with `p = softmax(target / temperature)` (`target_log_probs`; 0 = the
@@ -92,18 +98,25 @@ def kl_per_position(draft_logits: Tensor, target_logits: Tensor, temperature: fl
         draft_logits: `[*, Vd]` draft logits (any float dtype).
         target_logits: `[*, Vd]` target logits restricted to the draft vocab.
         temperature: of the target distribution (`target_log_probs`).
+        logit_mse: lambda >= 0 of the logit-matching term added to each position's KL,
+            `lambda * mean_v d_v^2` with `d = centred_logit_gap(draft, target)` (`peagle.logit_mse`; 0 = none).
 
     Returns:
         `[*]` fp32 (fp64 for fp64 inputs), >= 0, exactly 0 where the logits are equal (at temperature 1).
     """
+    if logit_mse < 0:
+        raise ValueError(f"logit_mse must be >= 0, got {logit_mse}")
     dtype = torch.promote_types(torch.promote_types(draft_logits.dtype, target_logits.dtype), torch.float32)
     if draft_logits.requires_grad and not target_logits.requires_grad and torch.is_grad_enabled():
-        return _FusedKL.apply(draft_logits, target_logits, dtype, temperature)
+        return _FusedKL.apply(draft_logits, target_logits, dtype, temperature, logit_mse)
     log_q = F.log_softmax(draft_logits.to(dtype), dim=-1)  # [*, Vd]
     log_p = target_log_probs(target_logits, dtype, temperature)  # [*, Vd]
     p = log_p.exp()  # [*, Vd]
     terms = p * (log_p - log_q)  # [*, Vd]; NaN where p = 0 and log_p = -inf
-    return torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
+    kl = torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
+    if logit_mse > 0:
+        kl = kl + logit_mse * centred_logit_gap(draft_logits, target_logits, dtype).pow(2).mean(-1)
+    return kl
 
 
 def _head_chunk_rows(vocab: int) -> int:
@@ -119,8 +132,27 @@ def _target_rows(z: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Ten
     return p, neg_entropy, z.argmax(-1)
 
 
+def centred_logit_gap(draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype) -> Tensor:
+    """`d = (s - z) - mean_v(s - z)`: the gap between draft and target logits with each row's mean removed.
+
+    A row's mean does not change its softmax, so it is the one part of the logits that no distribution
+    fixes; `mean_v d_v^2` is the logit-matching term of `peagle.logit_mse` (Hinton et al.'s high-temperature
+    limit of the KL), and its gradient w.r.t. `s` is `2 d / Vd`.
+
+    Args:
+        draft_logits, target_logits: `[*, Vd]`.
+        dtype: the computation dtype (fp32 or fp64).
+
+    Returns:
+        `[*, Vd]` in `dtype`. Example: s = [1, 2, 3], z = [0, 0, 0] -> [-1, 0, 1].
+    """
+    gap = draft_logits.to(dtype) - target_logits.to(dtype)  # [*, Vd]
+    return gap - gap.mean(-1, keepdim=True)
+
+
 class _FusedHeadKL(torch.autograd.Function):
-    """`sum_r w_r KL(softmax(z_r) || softmax(x_r W^T))` over row chunks, gradients computed in forward.
+    """`sum_r w_r KL(softmax(z_r) || softmax(x_r W^T))` over row chunks, gradients computed in forward
+    (plus `lambda * mean_v d_v^2` per row with `peagle.logit_mse`: `centred_logit_gap`).
 
     The loss is linear in its single scalar output, so d loss / d x and d loss / d W are computed chunk by
     chunk during forward (`q - p` never exceeds one `[c, Vd]` chunk) and only scaled in backward.
@@ -131,7 +163,8 @@ class _FusedHeadKL(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, weight: Tensor, temperature: float
+        ctx, x: Tensor, head: Tensor, target: Tensor, index: Tensor | None, weight: Tensor, temperature: float,
+        logit_mse: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         m = x.shape[0]
@@ -148,25 +181,35 @@ class _FusedHeadKL(torch.autograd.Function):
             stop = min(start + step, m)
             if order is None:
                 rows = x[start:stop]  # [c, H]
-                p, neg_entropy, z_arg = _target_rows(target[start:stop], dtype, temperature)
+                z = target[start:stop]  # [c, Vd]
+                p, neg_entropy, z_arg = _target_rows(z, dtype, temperature)
                 inv = None
             else:
                 assert index is not None  # order exists only with an index
                 elems = order[start:stop]  # [c]
                 rows = x.index_select(0, elems)  # [c, H]
                 uniq, inv = torch.unique_consecutive(index.index_select(0, elems), return_inverse=True)  # [u], [c]
-                p, neg_entropy, z_arg = _target_rows(target.index_select(0, uniq), dtype, temperature)
+                z = target.index_select(0, uniq)  # [u, Vd]
+                p, neg_entropy, z_arg = _target_rows(z, dtype, temperature)
             logits = mm_nt(rows, head)  # [c, Vd] (bf16 under autocast)
             log_q = F.log_softmax(logits.to(dtype), dim=-1)  # [c, Vd]
             if inv is not None:
                 p, neg_entropy, z_arg = p.index_select(0, inv), neg_entropy[inv], z_arg[inv]  # [c, Vd], [c], [c]
-            kls.append(neg_entropy - torch.linalg.vecdot(p, log_q))  # [c]
+            kl = neg_entropy - torch.linalg.vecdot(p, log_q)  # [c]
+            gap = None
+            if logit_mse > 0:
+                gap = centred_logit_gap(logits, z if inv is None else z.index_select(0, inv), dtype)  # [c, Vd]
+                kl = kl + logit_mse * gap.pow(2).mean(-1)
+            kls.append(kl)
             hits.append(logits.argmax(-1) == z_arg)  # [c]
             if want_x or want_w:
                 w = weight[start:stop] if order is None else weight.index_select(0, elems)  # [c]
                 w = w.to(acc)[:, None]  # [c, 1], applied to the [c, H] side (not the [c, Vd] one)
-                g = log_q.exp_().sub_(p).to(cdt)  # [c, Vd] d KL / d logits, over log_q
-                del p
+                g = log_q.exp_().sub_(p)  # [c, Vd] d KL / d logits, over log_q
+                if gap is not None:
+                    g.add_(gap, alpha=2.0 * logit_mse / gap.shape[-1])
+                g = g.to(cdt)
+                del p, gap
                 if grad_x is not None:
                     gx = (mm_nt(g, head.to(cdt).t()) * w).to(x.dtype)  # [c, H]
                     if order is None:
@@ -200,6 +243,7 @@ class _FusedHeadKL(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -212,6 +256,7 @@ def head_loss_sums(
     depth: Tensor,
     num_depths: int,
     temperature: float = 1.0,
+    logit_mse: float = 0.0,
 ) -> tuple[Tensor, CodMetrics]:
     """`cod_loss_sums(x @ head.T, target[target_index], ...)` fused with the lm_head, in row chunks.
 
@@ -230,18 +275,23 @@ def head_loss_sums(
         depth: `[M]` int64 depths in `[0, num_depths)`.
         num_depths: K.
         temperature: of the target distribution the KL fits (`target_log_probs`; 0 = its argmax).
+        logit_mse: lambda of the logit-matching term (`kl_per_position`; 0 = none).
 
     Returns:
         `(loss_sum, metrics)` as `cod_loss_sums`.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if logit_mse < 0:
+        raise ValueError(f"logit_mse must be >= 0, got {logit_mse}")
     want = torch.is_grad_enabled() and (x.requires_grad or head.requires_grad)
     if want:
-        loss_sum, hit = _FusedHeadKL.apply(x, head, target, target_index, weight, temperature)
+        loss_sum, hit = _FusedHeadKL.apply(x, head, target, target_index, weight, temperature, logit_mse)
     else:
         with torch.no_grad():
-            loss_sum, hit = _FusedHeadKL.forward(_NoCtx(), x, head, target, target_index, weight, temperature)
+            loss_sum, hit = _FusedHeadKL.forward(
+                _NoCtx(), x, head, target, target_index, weight, temperature, logit_mse
+            )
     with torch.no_grad():
         w = weight.double()
         dep = depth.long().to(w.device)
@@ -254,7 +304,7 @@ def head_loss_sums(
 class _NoCtx:
     """Stand-in autograd context for a forward-only call of `_FusedHeadKL.forward`."""
 
-    needs_input_grad = (False, False, False, False, False, False)
+    needs_input_grad = (False, False, False, False, False, False, False)
 
     def mark_non_differentiable(self, *args: Tensor) -> None:
         pass
@@ -327,6 +377,7 @@ def cod_loss_sums(
     depth: Tensor,
     num_depths: int,
     temperature: float = 1.0,
+    logit_mse: float = 0.0,
 ) -> tuple[Tensor, CodMetrics]:
     """Weighted KL sum (with grad) and metric sums of a set of COD elements.
 
@@ -345,11 +396,12 @@ def cod_loss_sums(
         depth: `[M]` int64 depths in `[0, num_depths)`.
         num_depths: K.
         temperature: of the target distribution (`target_log_probs`; 0 = its argmax).
+        logit_mse: lambda of the logit-matching term (`kl_per_position`; 0 = none).
 
     Returns:
         `(loss_sum, metrics)`: fp32 (or fp64) scalar `sum w * KL` carrying the graph, and detached `CodMetrics`.
     """
-    kl = kl_per_position(draft_logits, target_logits, temperature)  # [M]
+    kl = kl_per_position(draft_logits, target_logits, temperature, logit_mse)  # [M]
     w = weight.to(kl.dtype)  # [M]
     loss_sum = (w * kl).sum()
     with torch.no_grad():

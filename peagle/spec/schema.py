@@ -248,6 +248,14 @@ class PEagleSpec(_Strict):
         "NeMo); below 1 it is sharpened toward the greedy token that verification accepts; 0 = cross-entropy on "
         "the target's argmax (docs/decisions.md decision 17).",
     )
+    logit_mse: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=100.0,
+        description="lambda: adds lambda x mean over the draft vocabulary of the squared gap between the draft's "
+        "and the target's logits, each row's mean removed (logit matching, the KL's high-temperature limit), to "
+        "each element's KL; 0 = the KL alone (speculators, NeMo) (docs/decisions.md decision 23).",
+    )
     loss_positions: Literal["assistant", "all"] = Field(
         default="assistant",
         description="Training positions: `assistant` = the assistant tokens of the loss mask (speculators, NeMo); "

@@ -144,7 +144,8 @@ class Trainer:
         )
         draft.set_trainable(freeze_embeddings=spec.draft.freeze_embeddings, freeze_lm_head=spec.draft.freeze_lm_head)
         draft.gradient_checkpointing = p.gradient_checkpointing
-        self.objective = DraftObjective(draft, p.num_depths, self.settings.autocast_dtype, p.target_temperature)
+        self.objective = DraftObjective(draft, p.num_depths, self.settings.autocast_dtype, p.target_temperature,
+                                        p.logit_mse)
         self.optimizer = build_optimizer(draft, o)
         self.num_batches = train_source.num_batches()
         self.total_steps = total_steps(o, self.num_batches)

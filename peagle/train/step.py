@@ -188,12 +188,13 @@ class DraftObjective(nn.Module):
     """The module DDP wraps: `forward(unit) -> (loss_sum, CodMetrics)` (sum over the charged elements)."""
 
     def __init__(self, draft: PEagleDraft, num_depths: int, autocast_dtype: torch.dtype | None,
-                 target_temperature: float = 1.0) -> None:
+                 target_temperature: float = 1.0, logit_mse: float = 0.0) -> None:
         super().__init__()
         self.draft = draft
         self.num_depths = num_depths
         self.autocast_dtype = autocast_dtype
         self.target_temperature = target_temperature  # T of the fitted target distribution (`target_log_probs`)
+        self.logit_mse = logit_mse  # lambda of the logit-matching term (`kl_per_position`)
 
     def forward(self, unit: UnitInputs) -> tuple[Tensor, CodMetrics]:
         dev = unit.input_ids.device
@@ -208,7 +209,7 @@ class DraftObjective(nn.Module):
             # lm_head + KL fused in row chunks: no [m, Vd] logits / probability tensor is materialised
             return head_loss_sums(
                 x, self.draft.lm_head.weight, unit.target, unit.target_index, unit.weight, unit.depth,
-                self.num_depths, self.target_temperature,
+                self.num_depths, self.target_temperature, self.logit_mse,
             )
 
 

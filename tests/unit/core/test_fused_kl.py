@@ -126,3 +126,75 @@ def test_target_temperature_fits_a_sharpened_target_or_its_argmax(monkeypatch) -
         accs.append(mets.acc_sum)
     torch.testing.assert_close(accs[0], accs[2])
     torch.testing.assert_close(accs[1], accs[2])
+
+
+def test_logit_mse_adds_centred_logit_matching(monkeypatch) -> None:
+    """`peagle.logit_mse`: each element's loss is KL + lambda * mean_v d_v^2 with d the row-centred gap between
+    draft and target logits; the fused KL and the fused lm_head + KL match a plain autograd reference (loss and
+    both gradients, with the target rows shared by several elements), the term ignores a logit row's constant
+    shift (which no softmax sees), and the accuracy metric does not change."""
+    import pytest
+    import torch.nn.functional as F
+
+    import peagle.cod.loss as loss_mod
+    from peagle.cod.loss import centred_logit_gap, head_loss_sums, kl_per_position
+
+    torch.testing.assert_close(
+        centred_logit_gap(torch.tensor([[1.0, 2.0, 3.0]]), torch.zeros(1, 3), torch.float32),
+        torch.tensor([[-1.0, 0.0, 1.0]]),
+    )
+
+    def reference(logits, t, lam):  # plain autograd, written out
+        kl = (F.softmax(t, -1) * (F.log_softmax(t, -1) - F.log_softmax(logits, -1))).sum(-1)
+        gap = logits - t
+        return kl + lam * (gap - gap.mean(-1, keepdim=True)).pow(2).mean(-1)
+
+    g = torch.Generator().manual_seed(3)
+    d0 = torch.randn(9, 21, generator=g, dtype=torch.float64)
+    t = torch.randn(9, 21, generator=g, dtype=torch.float64)
+    w = torch.rand(9, generator=g, dtype=torch.float64)
+    for lam in (0.5, 4.0):
+        d = d0.clone().requires_grad_()
+        fused = kl_per_position(d, t, 1.0, lam)
+        (fused * w).sum().backward()
+        d_ref = d0.clone().requires_grad_()
+        ref = reference(d_ref, t, lam)
+        (ref * w).sum().backward()
+        torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(d.grad, d_ref.grad, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():  # the unfused (no-grad) path gives the same values
+            torch.testing.assert_close(kl_per_position(d0, t, 1.0, lam), ref.detach(), rtol=1e-12, atol=1e-12)
+    plain = kl_per_position(d0, t)
+    assert (kl_per_position(d0, t, 1.0, 1.0) > plain).all()
+    # a constant shift of a row changes neither its softmax nor the centred gap: the loss does not move
+    torch.testing.assert_close(kl_per_position(d0 + 5.0, t, 1.0, 2.0), kl_per_position(d0, t, 1.0, 2.0))
+    with pytest.raises(ValueError, match="logit_mse"):
+        kl_per_position(d0, t, 1.0, -1.0)
+
+    monkeypatch.setattr(loss_mod, "HEAD_CHUNK_BYTES", 16 * 4 * 40)  # several chunks, shared target rows
+    m, h, vd, rows, k = 37, 8, 40, 11, 3
+    x0 = torch.randn(m, h, generator=g, dtype=torch.float64)
+    w0 = torch.randn(vd, h, generator=g, dtype=torch.float64)
+    target = torch.randn(rows, vd, generator=g, dtype=torch.float64)
+    index = torch.randint(0, rows, (m,), generator=g)
+    weight = (torch.rand(m, generator=g) < 0.8).double()
+    depth = torch.randint(0, k, (m,), generator=g)
+    accs = []
+    for lam in (0.0, 3.0):
+        x, head = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss, mets = head_loss_sums(x, head, target, index, weight, depth, k, 1.0, lam)
+        loss.backward()
+        xr, hr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ref = (weight * reference(xr @ hr.t(), target[index], lam)).sum()
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mets.loss_sum, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(head.grad, hr.grad, rtol=1e-10, atol=1e-12)
+        accs.append(mets.acc_sum)
+        with torch.no_grad():  # forward only (evaluation), unsorted target rows
+            loss_eval, _ = head_loss_sums(x0, w0, target[index], None, weight, depth, k, 1.0, lam)
+        torch.testing.assert_close(loss_eval, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(accs[0], accs[1])
+    with pytest.raises(ValueError, match="logit_mse"):
+        head_loss_sums(x0, w0, target, index, weight, depth, k, 1.0, -0.5)

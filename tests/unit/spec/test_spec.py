@@ -83,6 +83,16 @@ def test_target_temperature_range() -> None:
         assert p.path == "peagle.target_temperature", bad
 
 
+def test_logit_mse_range() -> None:
+    assert parse_spec(MIN).peagle.logit_mse == 0.0  # the KL alone unless asked
+    assert parse_spec({**MIN, "peagle": {"logit_mse": 2.5}}).peagle.logit_mse == 2.5
+    for bad in (-0.1, 101, "lots"):
+        with pytest.raises(SpecInvalidError) as ei:
+            parse_spec({**MIN, "peagle": {"logit_mse": bad}})
+        [p] = ei.value.problems
+        assert p.path == "peagle.logit_mse", bad
+
+
 def test_unknown_field_is_rejected_with_its_path() -> None:
     with pytest.raises(SpecInvalidError) as ei:
         parse_spec({**MIN, "peagle": {"num_depth": 4}})

@@ -224,3 +224,8 @@ def test_trainer_takes_target_temperature_from_the_spec() -> None:
     assert Trainer(tiny_spec(peagle={"target_temperature": 0}), tiny_draft(), tiny_source()).objective \
         .target_temperature == 0.0
     assert Trainer(tiny_spec(), tiny_draft(), tiny_source()).objective.target_temperature == 1.0
+
+
+def test_trainer_takes_logit_mse_from_the_spec() -> None:
+    assert Trainer(tiny_spec(peagle={"logit_mse": 2.0}), tiny_draft(), tiny_source()).objective.logit_mse == 2.0
+    assert Trainer(tiny_spec(), tiny_draft(), tiny_source()).objective.logit_mse == 0.0

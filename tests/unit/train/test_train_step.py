@@ -140,6 +140,30 @@ def test_target_temperature_reaches_the_step() -> None:
     torch.testing.assert_close(g0s, g0, rtol=1e-4, atol=1e-6)
 
 
+def test_logit_mse_reaches_the_step() -> None:
+    """lambda > 0 through `DraftObjective`: the same elements and hits, a larger loss and another gradient;
+    partitioning stays exact."""
+    draft = tiny_draft()
+    batch = tiny_source(seq_len=48).batch(0, 0)
+
+    def run(lam: float, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        settings = _settings(segments, num_depths=2)
+        draft.zero_grad(set_to_none=True)
+        rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+        m = run_micro_batch(DraftObjective(draft, 2, None, 1.0, lam), draft, batch, rows, settings, scale=1.0)
+        return m.acc_sum, m.acc_total, m.loss_sum, _dense(draft.lm_head.weight.grad)
+
+    hit0, tot0, loss0, g0 = run(0.0)
+    hit2, tot2, loss2, g2 = run(2.0)
+    torch.testing.assert_close(tot2, tot0)
+    torch.testing.assert_close(hit2, hit0)
+    assert float(loss2) > float(loss0) * 1.01
+    assert not torch.allclose(g2, g0)
+    _, _, loss2s, g2s = run(2.0, segments=3)
+    assert float(loss2s) == pytest.approx(float(loss2), rel=1e-5)
+    torch.testing.assert_close(g2s, g2, rtol=1e-4, atol=1e-6)
+
+
 def test_depth_decay_reaches_the_step() -> None:
     """gamma = 0.5 through `StepSettings`: each depth's charged weight is gamma**d times the plain count, the
     per-depth accuracies stay the same, and with K = 2 (only depth-1 slots read `mask_hidden`) the
