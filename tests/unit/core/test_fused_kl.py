@@ -3,6 +3,18 @@ from __future__ import annotations
 import torch
 
 
+def _head_case(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """37 elements (x [37, 8]) over an lm_head [40, 8], picking 11 shared target rows; K = 3; fp64."""
+    m, h, vd, rows, k = 37, 8, 40, 11, 3
+    x0 = torch.randn(m, h, generator=g, dtype=torch.float64)
+    w0 = torch.randn(vd, h, generator=g, dtype=torch.float64)
+    target = torch.randn(rows, vd, generator=g, dtype=torch.float64)
+    index = torch.randint(0, rows, (m,), generator=g)
+    weight = (torch.rand(m, generator=g) < 0.8).double()
+    depth = torch.randint(0, k, (m,), generator=g)
+    return x0, w0, target, index, weight, depth, k
+
+
 def test_fused_kl_matches_autograd_reference() -> None:
     import torch.nn.functional as F
 
@@ -105,13 +117,7 @@ def test_target_temperature_fits_a_sharpened_target_or_its_argmax(monkeypatch) -
     assert not torch.allclose(kl_per_position(d0, t, 0.0), kl_per_position(d0, t, 1.0))
 
     monkeypatch.setattr(loss_mod, "HEAD_CHUNK_BYTES", 16 * 4 * 40)  # several chunks, shared target rows
-    m, h, vd, rows, k = 37, 8, 40, 11, 3
-    x0 = torch.randn(m, h, generator=g, dtype=torch.float64)
-    w0 = torch.randn(vd, h, generator=g, dtype=torch.float64)
-    target = torch.randn(rows, vd, generator=g, dtype=torch.float64)
-    index = torch.randint(0, rows, (m,), generator=g)
-    weight = (torch.rand(m, generator=g) < 0.8).double()
-    depth = torch.randint(0, k, (m,), generator=g)
+    x0, w0, target, index, weight, depth, k = _head_case(g)
     accs = []
     for temperature in (0.0, 0.5, 1.0):
         x, head = x0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -172,13 +178,7 @@ def test_logit_mse_adds_centred_logit_matching(monkeypatch) -> None:
         kl_per_position(d0, t, 1.0, -1.0)
 
     monkeypatch.setattr(loss_mod, "HEAD_CHUNK_BYTES", 16 * 4 * 40)  # several chunks, shared target rows
-    m, h, vd, rows, k = 37, 8, 40, 11, 3
-    x0 = torch.randn(m, h, generator=g, dtype=torch.float64)
-    w0 = torch.randn(vd, h, generator=g, dtype=torch.float64)
-    target = torch.randn(rows, vd, generator=g, dtype=torch.float64)
-    index = torch.randint(0, rows, (m,), generator=g)
-    weight = (torch.rand(m, generator=g) < 0.8).double()
-    depth = torch.randint(0, k, (m,), generator=g)
+    x0, w0, target, index, weight, depth, k = _head_case(g)
     accs = []
     for lam in (0.0, 3.0):
         x, head = x0.clone().requires_grad_(), w0.clone().requires_grad_()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -116,6 +117,17 @@ def test_mask_hidden_gets_finite_nonzero_grad_when_k_ge_2() -> None:
     assert torch.count_nonzero(grads1["mask_hidden"]) == 0  # in the graph, but no masked slot
 
 
+def _objective_run(draft: Any, batch: dict[str, torch.Tensor], segments: int,
+                   **objective: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One K = 2 micro-batch of rows 0 and 1 through `DraftObjective(**objective)`: (acc_sum, acc_total,
+    loss_sum, the lm_head's gradient)."""
+    settings = _settings(segments, num_depths=2)
+    draft.zero_grad(set_to_none=True)
+    rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
+    m = run_micro_batch(DraftObjective(draft, 2, None, **objective), draft, batch, rows, settings, scale=1.0)
+    return m.acc_sum, m.acc_total, m.loss_sum, _dense(draft.lm_head.weight.grad)
+
+
 def test_target_temperature_reaches_the_step() -> None:
     """T = 0 through `DraftObjective`: the same elements and hits as T = 1, a different (cross-entropy) loss
     and gradient; partitioning stays exact."""
@@ -123,11 +135,7 @@ def test_target_temperature_reaches_the_step() -> None:
     batch = tiny_source(seq_len=48).batch(0, 0)
 
     def run(temperature: float, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        settings = _settings(segments, num_depths=2)
-        draft.zero_grad(set_to_none=True)
-        rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
-        m = run_micro_batch(DraftObjective(draft, 2, None, temperature), draft, batch, rows, settings, scale=1.0)
-        return m.acc_sum, m.acc_total, m.loss_sum, _dense(draft.lm_head.weight.grad)
+        return _objective_run(draft, batch, segments, target_temperature=temperature)
 
     hit1, tot1, loss1, g1 = run(1.0)
     hit0, tot0, loss0, g0 = run(0.0)
@@ -147,11 +155,7 @@ def test_logit_mse_reaches_the_step() -> None:
     batch = tiny_source(seq_len=48).batch(0, 0)
 
     def run(lam: float, segments: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        settings = _settings(segments, num_depths=2)
-        draft.zero_grad(set_to_none=True)
-        rows = plan_rows(batch, settings, epoch=0, index=0, row_ids=[0, 1])
-        m = run_micro_batch(DraftObjective(draft, 2, None, 1.0, lam), draft, batch, rows, settings, scale=1.0)
-        return m.acc_sum, m.acc_total, m.loss_sum, _dense(draft.lm_head.weight.grad)
+        return _objective_run(draft, batch, segments, logit_mse=lam)
 
     hit0, tot0, loss0, g0 = run(0.0)
     hit2, tot2, loss2, g2 = run(2.0)
