@@ -157,6 +157,10 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # KL at T = 1 barely weighs), against memorising the rows: paired with `all_positions`
     "all_logit_mse_1": ("all positions, peagle.logit_mse", 1.0, {"peagle.loss_positions": "all", "peagle.logit_mse": 1.0}),
     "all_logit_mse_5": ("all positions, peagle.logit_mse", 5.0, {"peagle.loss_positions": "all", "peagle.logit_mse": 5.0}),
+    # capacity and step size at four passes on every position (2 layers and lr 3e-3 were measured at one pass
+    # only: docs/decisions.md decision 14): paired with `all_positions`
+    "all_layers_2": ("all positions, draft.num_layers", 2, {"peagle.loss_positions": "all", "draft.num_layers": 2}),
+    "all_lr_2e-3": ("all positions, optim.lr", 2e-3, {"peagle.loss_positions": "all", "optim.lr": 2e-3}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
