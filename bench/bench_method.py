@@ -291,13 +291,14 @@ def train(name: str, spec: dict[str, Any]) -> Path:
     return run
 
 
-def train_peer(baseline: Path) -> Path:
-    """The peer draft on the baseline run's features, spec (resolved), steps and seed."""
+def train_peer(baseline: Path, spec: dict[str, Any]) -> Path:
+    """The peer draft on the baseline run's features (the data directory of its `spec`, which is the
+    preset's own only for variants on the preset's data), spec (resolved), steps and seed."""
     run = RUNS / f"peer-{baseline.name}"
     if (run / "export" / "config.json").exists():
         return run
     run.mkdir(parents=True, exist_ok=True)
-    link_data(run)
+    link_data(run, data_dir(spec))
     shutil.copy2(baseline / "resolved_spec.json", run / "resolved_spec.json")
     print(f"==> training the peer (speculators 0.9.0) into {run.relative_to(ROOT)}", flush=True)
     load0, t0, cpu0 = os.getloadavg(), time.time(), _child_cpu()
@@ -401,7 +402,7 @@ def main() -> int:
     if needs_baseline(names):
         baseline = train(args.peer_of, specs[args.peer_of])  # first: the peer trains on its run's features
     for name in names:
-        run = train_peer(baseline) if name == "peer" else train(name, specs[name])
+        run = train_peer(baseline, specs[args.peer_of]) if name == "peer" else train(name, specs[name])
         measure(run)
         measure(run, "sharegpt-heldout")
 

@@ -4,7 +4,13 @@ runs cached before it (at the value that reproduces them) under their old names.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
+from typing import Any
 
+import pytest
+
+import bench.bench_method as bench_method
 from bench.bench_method import (
     ADDED_FIELDS,
     DEMO_640,
@@ -13,6 +19,7 @@ from bench.bench_method import (
     data_dir,
     needs_baseline,
     spec_hash,
+    train_peer,
     variant_spec,
 )
 
@@ -54,3 +61,28 @@ def test_only_the_peer_waits_for_the_baseline() -> None:
     assert not needs_baseline(["data_2x_epochs_6", "data_2x_epochs_4"])
     assert not needs_baseline(["data_3x_epochs_6", "demo_all_positions"])
     assert data_dir(specs["demo_all_positions"]) == data_dir(specs["baseline"])  # the preset's data, shared
+
+
+def test_the_peer_trains_on_its_baseline_variants_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A defect found on 2026-11-27: the peer of a 640-conversation variant (`--peer-of all_positions`) linked
+    the preset's data directory (1920 conversations, when it existed) instead of its baseline's."""
+    spec = variant_spec(VARIANTS["all_positions"][2])
+    assert data_dir(spec) != bench_method.DATA  # a 640-conversation variant has data of its own
+    linked: list[Path] = []
+    monkeypatch.setattr(bench_method, "ROOT", tmp_path)
+    monkeypatch.setattr(bench_method, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(bench_method, "link_data", lambda run, data=bench_method.DATA: linked.append(data))
+    monkeypatch.setattr(bench_method.subprocess, "run", lambda *a, **k: None)  # no peer venv needed
+
+    def peer_of(name: str, variant: dict[str, Any]) -> Path:
+        baseline = tmp_path / "runs" / name
+        baseline.mkdir(parents=True)
+        (baseline / "resolved_spec.json").write_text(json.dumps(variant))
+        return train_peer(baseline, variant)
+
+    run = peer_of("abc", spec)
+    assert linked == [data_dir(spec)]
+    assert run == tmp_path / "runs" / "peer-abc" and (run / "bench_train.json").exists()
+    linked.clear()
+    peer_of("def", variant_spec({}))
+    assert linked == [bench_method.DATA]  # the preset's own variants share the preset's data
