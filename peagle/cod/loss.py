@@ -72,9 +72,9 @@ class _FusedKL(torch.autograd.Function):
         del terms, log_p
         grad = log_q.exp_().sub_(p)  # [*, Vd]: q - p, in place over log_q
         if logit_mse > 0:
-            gap = centred_logit_gap(draft_logits, target_logits, dtype)  # [*, Vd]
-            kl = kl + logit_mse * gap.pow(2).mean(-1)
-            grad.add_(gap, alpha=2.0 * logit_mse / gap.shape[-1])
+            term, term_grad = logit_matching(draft_logits, target_logits, dtype, logit_mse)  # [*], [*, Vd]
+            kl = kl + term
+            grad.add_(term_grad)
         ctx.save_for_backward(grad)
         ctx.in_dtype = draft_logits.dtype
         return kl
@@ -115,7 +115,7 @@ def kl_per_position(draft_logits: Tensor, target_logits: Tensor, temperature: fl
     terms = p * (log_p - log_q)  # [*, Vd]; NaN where p = 0 and log_p = -inf
     kl = torch.where(p > 0, terms, torch.zeros_like(terms)).sum(-1)  # [*]
     if logit_mse > 0:
-        kl = kl + logit_mse * centred_logit_gap(draft_logits, target_logits, dtype).pow(2).mean(-1)
+        kl = kl + logit_matching(draft_logits, target_logits, dtype, logit_mse)[0]
     return kl
 
 
@@ -148,6 +148,23 @@ def centred_logit_gap(draft_logits: Tensor, target_logits: Tensor, dtype: torch.
     """
     gap = draft_logits.to(dtype) - target_logits.to(dtype)  # [*, Vd]
     return gap - gap.mean(-1, keepdim=True)
+
+
+def logit_matching(
+    draft_logits: Tensor, target_logits: Tensor, dtype: torch.dtype, logit_mse: float
+) -> tuple[Tensor, Tensor]:
+    """The logit-matching term of `peagle.logit_mse` and its gradient w.r.t. the draft logits, in one place.
+
+    Args:
+        draft_logits, target_logits: `[*, Vd]`.
+        dtype: the computation dtype (fp32 or fp64).
+        logit_mse: lambda > 0.
+
+    Returns:
+        `(lambda * mean_v d_v^2 [*], 2 lambda d / Vd [*, Vd])` with `d = centred_logit_gap(...)`, in `dtype`.
+    """
+    gap = centred_logit_gap(draft_logits, target_logits, dtype)  # [*, Vd]
+    return logit_mse * gap.pow(2).mean(-1), gap.mul_(2.0 * logit_mse / gap.shape[-1])
 
 
 class _FusedHeadKL(torch.autograd.Function):
@@ -196,20 +213,21 @@ class _FusedHeadKL(torch.autograd.Function):
             if inv is not None:
                 p, neg_entropy, z_arg = p.index_select(0, inv), neg_entropy[inv], z_arg[inv]  # [c, Vd], [c], [c]
             kl = neg_entropy - torch.linalg.vecdot(p, log_q)  # [c]
-            gap = None
+            term_grad = None
             if logit_mse > 0:
-                gap = centred_logit_gap(logits, z if inv is None else z.index_select(0, inv), dtype)  # [c, Vd]
-                kl = kl + logit_mse * gap.pow(2).mean(-1)
+                term, term_grad = logit_matching(logits, z if inv is None else z.index_select(0, inv), dtype,
+                                                 logit_mse)  # [c], [c, Vd]
+                kl = kl + term
             kls.append(kl)
             hits.append(logits.argmax(-1) == z_arg)  # [c]
             if want_x or want_w:
                 w = weight[start:stop] if order is None else weight.index_select(0, elems)  # [c]
                 w = w.to(acc)[:, None]  # [c, 1], applied to the [c, H] side (not the [c, Vd] one)
                 g = log_q.exp_().sub_(p)  # [c, Vd] d KL / d logits, over log_q
-                if gap is not None:
-                    g.add_(gap, alpha=2.0 * logit_mse / gap.shape[-1])
+                if term_grad is not None:
+                    g.add_(term_grad)
                 g = g.to(cdt)
-                del p, gap
+                del p, term_grad
                 if grad_x is not None:
                     gx = (mm_nt(g, head.to(cdt).t()) * w).to(x.dtype)  # [c, H]
                     if order is None:
