@@ -161,6 +161,10 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # only: docs/decisions.md decision 14): paired with `all_positions`
     "all_layers_2": ("all positions, draft.num_layers", 2, {"peagle.loss_positions": "all", "draft.num_layers": 2}),
     "all_lr_2e-3": ("all positions, optim.lr", 2e-3, {"peagle.loss_positions": "all", "optim.lr": 2e-3}),
+    # three layers: the last aux state is the input of the target's layer N - 3, so with `draft.layer_init`
+    # target the draft's layers start as exactly the target layers that follow it (N - 3, N - 2, N - 1);
+    # two layers start as N - 2, N - 1 and skip one. Paired with `all_positions` and `all_layers_2`
+    "all_layers_3": ("all positions, draft.num_layers", 3, {"peagle.loss_positions": "all", "draft.num_layers": 3}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
