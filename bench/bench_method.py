@@ -165,6 +165,12 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     # target the draft's layers start as exactly the target layers that follow it (N - 3, N - 2, N - 1);
     # two layers start as N - 2, N - 1 and skip one. Paired with `all_positions` and `all_layers_2`
     "all_layers_3": ("all positions, draft.num_layers", 3, {"peagle.loss_positions": "all", "draft.num_layers": 3}),
+    # masked (depth >= 1) slots start as the mean target feature, not N(0, 1) (docs/decisions.md decision 25):
+    # paired with `all_layers_3` and its peer, and with `all_layers_2`
+    "l3_mask_mean": ("3 layers, all positions, draft.mask_hidden_init", "feature_mean",
+                     {"peagle.loss_positions": "all", "draft.num_layers": 3, "draft.mask_hidden_init": "feature_mean"}),
+    "l2_mask_mean": ("2 layers, all positions, draft.mask_hidden_init", "feature_mean",
+                     {"peagle.loss_positions": "all", "draft.num_layers": 2, "draft.mask_hidden_init": "feature_mean"}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
@@ -200,7 +206,8 @@ ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.
                                              ("peagle", "loss_positions"): "assistant",
                                              ("peagle", "feature_noise"): 0.0,
                                              ("optim", "ema_decay"): 0.0,
-                                             ("peagle", "logit_mse"): 0.0}
+                                             ("peagle", "logit_mse"): 0.0,
+                                             ("draft", "mask_hidden_init"): "random"}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:

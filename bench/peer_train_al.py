@@ -88,7 +88,7 @@ def main() -> int:
     steps = total_steps(spec.optim, source.num_batches())
 
     # Our step-0 draft gives the shared initial embedding / lm_head rows and the layer config.
-    ours = build_initial_draft(spec, model, vocab, int(prepared.mask_token_id), aux_ids)
+    ours = build_initial_draft(spec, model, vocab, int(prepared.mask_token_id), aux_ids, source)
     layer_cfg = LlamaConfig(**layer_config_from_draft(ours))
     layer_cfg._attn_implementation = "sdpa"
     config = PEagleSpeculatorConfig(

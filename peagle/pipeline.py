@@ -268,7 +268,7 @@ def run_pipeline(
         }
         _write_json(run / "provenance.json", _provenance(device, facts))
 
-        draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids)
+        draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids, source)
         arch = target.architectures
 
         def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
@@ -303,19 +303,36 @@ def run_pipeline(
     return result
 
 
-def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: int, aux_ids: list[int]) -> Any:
+#: Micro-batches (the first of epoch 0, the same on every DDP rank) whose features give `mask_hidden`'s start
+#: under `draft.mask_hidden_init: feature_mean`.
+MASK_HIDDEN_BATCHES = 8
+
+
+def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: int, aux_ids: list[int],
+                        source: Any = None) -> Any:
     """The untrained draft of a run (seeded by `optim.seed`, embeddings/lm_head rows from the target, the
-    decoder layers / fc / final norm too when `draft.layer_init == "target"`).
+    decoder layers / fc / final norm too when `draft.layer_init == "target"`, `mask_hidden` from the
+    features of the first micro-batches when `draft.mask_hidden_init == "feature_mean"`).
 
     Args:
-        spec: the job spec (`draft.num_layers`, `optim.seed`).
+        spec: the job spec (`draft.num_layers`, `draft.layer_init`, `draft.mask_hidden_init`, `optim.seed`).
         model: the loaded target.
         vocab: the run's `DraftVocab` (`selected`, `t2d`).
         mask_token_id: the resolved mask token.
         aux_ids: the resolved aux layer ids.
+        source: the run's training batch source (`num_batches()`, `batch(epoch, index)` with "aux" [B, N, 3H]
+            and "document_ids" [B, N]); needed only for `feature_mean`.
+
+    Raises:
+        ValueError: `feature_mean` without a source.
     """
     from peagle.model.draft import DraftConfig, PEagleDraft
-    from peagle.model.initialization import init_from_target, init_layers_from_target
+    from peagle.model.initialization import (
+        feature_mean,
+        init_from_target,
+        init_layers_from_target,
+        init_mask_hidden,
+    )
 
     torch.manual_seed(spec.optim.seed)
     cfg = DraftConfig.from_target(
@@ -329,4 +346,9 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
     init_from_target(draft, model, vocab.t2d)
     if spec.draft.layer_init == "target":
         init_layers_from_target(draft, model)
+    if spec.draft.mask_hidden_init == "feature_mean":
+        if source is None:
+            raise ValueError("draft.mask_hidden_init feature_mean needs the run's batch source")
+        first = (source.batch(0, i) for i in range(min(MASK_HIDDEN_BATCHES, source.num_batches())))
+        init_mask_hidden(draft, feature_mean((b["aux"], b["document_ids"]) for b in first))
     return draft

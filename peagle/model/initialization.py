@@ -4,11 +4,14 @@
 * `init_from_target`: the target's token embeddings and the draft-vocab rows of its lm_head, plus the
   `d2t` / `t2d` vocab maps (the weights a fresh draft holds as NaN until this runs);
 * `init_layers_from_target`: draft layer i starts as the target's layer N - L + i (norms copied as the
-  scale they apply, read off the norm's output by `_norm_scale`).
+  scale they apply, read off the norm's output by `_norm_scale`);
+* `feature_mean` / `init_mask_hidden`: `mask_hidden` starts as the mean of the captured target features
+  (spec `draft.mask_hidden_init`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +22,7 @@ from peagle.errors import TargetLoadError
 if TYPE_CHECKING:
     from peagle.model.draft import PEagleDraft
 
-__all__ = ["init_from_target", "init_layers_from_target"]
+__all__ = ["feature_mean", "init_from_target", "init_layers_from_target", "init_mask_hidden"]
 
 
 @torch.no_grad()
@@ -155,3 +158,50 @@ def init_layers_from_target(draft: PEagleDraft, target_model: Any) -> list[str]:
     draft.fc.weight[:, 2 * h :].copy_(torch.eye(h, dtype=draft.fc.weight.dtype))
     copied.append("fc.weight")
     return copied
+
+
+@torch.no_grad()
+def feature_mean(batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
+    """The mean target feature over the real (non-padding) positions of some batches.
+
+    Args:
+        batches: `(aux, document_ids)` pairs: aux [B, N, 3H] (any float dtype), document_ids [B, N] int
+            (-1 = padding).
+
+    Returns:
+        [3H] float32: the per-channel mean over every position with `document_ids >= 0`.
+
+    Raises:
+        ValueError: no batch, or no real position in any of them.
+    """
+    total: Tensor | None = None
+    count = 0
+    for aux, doc in batches:
+        real = aux[doc >= 0].float()  # [R, 3H]
+        part = real.sum(0).cpu()
+        total = part if total is None else total + part
+        count += int(real.shape[0])
+    if total is None or count == 0:
+        raise ValueError("feature_mean needs at least one real (non-padding) position")
+    return total / count
+
+
+@torch.no_grad()
+def init_mask_hidden(draft: PEagleDraft, mean: Tensor) -> None:
+    """Start `mask_hidden` [1, 1, 3H] as `mean` [3H] (spec `draft.mask_hidden_init: feature_mean`).
+
+    A masked (depth >= 1) slot then enters the draft as an average target state instead of an N(0, 1)
+    vector. On SmolLM2-135M the last aux state (the input of layer N - 3) has RMS about 50 and a few
+    channels near 370 on every token (the target's "massive activations"); the layers that
+    `init_layers_from_target` copies expect them, and AdamW moves `mask_hidden` by about `lr` a step,
+    so an N(0, 1) start never reaches that scale in a run (docs/decisions.md decision 25).
+
+    Raises:
+        ValueError: `mean` is not [3H] for this draft, or not finite.
+    """
+    want = draft.mask_hidden.shape[-1]
+    if tuple(mean.shape) != (want,):
+        raise ValueError(f"mask_hidden needs a [{want}] mean feature, got {tuple(mean.shape)}")
+    if not bool(torch.isfinite(mean).all()):
+        raise ValueError("the mean target feature is not finite")
+    draft.mask_hidden.copy_(mean.reshape(1, 1, want).to(draft.mask_hidden))

@@ -211,6 +211,12 @@ class DraftSpec(_Strict):
         "fused first layer's q/k/v in both halves), fc selecting the last aux layer and the final norm from the "
         "target (demo AL 1.225 -> 1.266 in a paired run); random: N(0, 0.02) as speculators and NeMo do.",
     )
+    mask_hidden_init: Literal["random", "feature_mean"] = Field(
+        default="random",
+        description="random: mask_hidden ~ N(0, 1) as speculators and NeMo do; feature_mean: the mean captured "
+        "target feature over the run's first micro-batches, so masked (depth >= 1) slots start as an average "
+        "target state (docs/decisions.md decision 25).",
+    )
 
 
 class PEagleSpec(_Strict):

@@ -345,3 +345,103 @@ def test_norms_are_copied_as_the_scale_they_apply() -> None:
     gemma = OnePlus()
     assert torch.equal(_norm_scale(gemma), 1 + gemma.weight.detach())
     assert _norm_scale(torch.nn.LayerNorm(16)) is None  # not a pure per-channel scale: left alone
+
+
+def test_feature_mean_is_the_mean_over_real_positions_of_every_batch() -> None:
+    from peagle.model.initialization import feature_mean
+
+    g = torch.Generator().manual_seed(0)
+    a1, a2 = torch.randn(2, 5, 6, generator=g), torch.randn(1, 4, 6, generator=g)
+    d1 = torch.tensor([[0, 0, 1, -1, -1], [2, 2, 2, 2, 2]])
+    d2 = torch.tensor([[3, 3, -1, -1]])
+    a1[d1 < 0] = 1e6  # padding slots must not count
+    want = torch.cat([a1[d1 >= 0], a2[d2 >= 0]]).mean(0)
+    torch.testing.assert_close(feature_mean([(a1, d1), (a2, d2)]), want)
+    assert feature_mean([(a1.bfloat16(), d1)]).dtype == torch.float32
+    with pytest.raises(ValueError, match="non-padding"):
+        feature_mean([(a1, torch.full_like(d1, -1))])
+    with pytest.raises(ValueError, match="non-padding"):
+        feature_mean([])
+
+
+def test_init_mask_hidden_checks_the_shape_and_finiteness(target: torch.nn.Module) -> None:
+    from peagle.model.initialization import init_mask_hidden
+
+    draft, _ = _draft(target, layers=1)
+    mean = torch.linspace(-3.0, 300.0, 3 * H)
+    init_mask_hidden(draft, mean)
+    assert torch.equal(draft.mask_hidden.detach().reshape(-1), mean) and draft.mask_hidden.requires_grad
+    with pytest.raises(ValueError, match=rf"\[{3 * H}\]"):
+        init_mask_hidden(draft, torch.zeros(H))
+    bad = mean.clone()
+    bad[0] = math.nan
+    with pytest.raises(ValueError, match="not finite"):
+        init_mask_hidden(draft, bad)
+
+
+def test_the_run_draft_follows_the_spec_mask_hidden_init() -> None:
+    """`feature_mean`: mask_hidden is the mean target feature of the source's first micro-batches (epoch 0),
+    captured by the real in-process capture; `random`: N(0, 1), the same with or without a source."""
+    from types import SimpleNamespace
+
+    from peagle.data.packing import pack_documents
+    from peagle.model.initialization import feature_mean
+    from peagle.pipeline import MASK_HIDDEN_BATCHES, build_initial_draft
+    from peagle.spec import preset
+    from peagle.target.capture import TargetCapture
+    from peagle.target.sources import OnlineFeatureSource
+
+    target = build_tiny_llama(vocab_size=V, hidden_size=H, num_heads=4, num_kv_heads=2, num_layers=4, seed=1)
+    aux = [1, 2, 3]
+    g = torch.Generator().manual_seed(3)
+    docs = [(torch.randint(8, V, (n,), generator=g).tolist(), [0] * 2 + [1] * (n - 2))
+            for n in (20, 31, 17, 25, 30, 12, 28, 19, 26, 22, 14, 29)]
+    rows = pack_documents(docs, 32, seed=0)
+    source = OnlineFeatureSource(TargetCapture(target, aux, None), rows, 1, 5)
+    assert source.num_batches() > MASK_HIDDEN_BATCHES  # only the first ones count
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:VD] = True
+    vocab = SimpleNamespace(draft_vocab_size=VD, t2d=t2d)
+    spec = preset("tiny").model_copy(deep=True)
+    spec.draft.num_layers = 1
+    random_one = build_initial_draft(spec, target, vocab, 7, aux)
+    spec.draft.mask_hidden_init = "feature_mean"
+    with pytest.raises(ValueError, match="needs the run's batch source"):
+        build_initial_draft(spec, target, vocab, 7, aux)
+    draft = build_initial_draft(spec, target, vocab, 7, aux, source)
+    first = [source.batch(0, i) for i in range(MASK_HIDDEN_BATCHES)]
+    want = feature_mean((b["aux"], b["document_ids"]) for b in first)
+    torch.testing.assert_close(draft.mask_hidden.detach().reshape(-1), want)
+    every = [source.batch(0, i) for i in range(source.num_batches())]
+    assert not torch.allclose(want, feature_mean((b["aux"], b["document_ids"]) for b in every))
+    assert not torch.allclose(draft.mask_hidden, random_one.mask_hidden)
+    for key, value in random_one.state_dict().items():  # nothing else changes
+        if key != "mask_hidden":
+            torch.testing.assert_close(draft.state_dict()[key], value, equal_nan=True, msg=key)
+
+
+def test_a_run_with_feature_mean_starts_mask_hidden_at_its_own_features(tmp_path, tiny_target_path) -> None:
+    """The pipeline hands the run's own source to the draft's initialisation: after one step (lr 1e-3) the
+    exported `mask_hidden` is the mean feature of the run's first micro-batches, not an N(0, 1) draw."""
+    from safetensors.torch import load_file
+
+    from peagle.model.initialization import feature_mean
+    from peagle.pipeline import MASK_HIDDEN_BATCHES, run_pipeline
+    from peagle.spec import parse_spec, preset
+    from peagle.target.sources import OfflineFeatureSource
+    from peagle.train.progress import RecordingSink
+
+    data = preset("tiny").model_dump(mode="json")
+    data["resources"]["capture"] = "offline"
+    data["optim"]["max_steps"] = 1
+    data["draft"]["mask_hidden_init"] = "feature_mean"
+    data["eval"].update(prompt_sets=[], serve_check=False)
+    spec = parse_spec(data)
+    run = tmp_path / "run"
+    run_pipeline(spec, run, sink=RecordingSink())
+    source = OfflineFeatureSource(run / "data" / "features" / "train", spec.optim.micro_batch_size, spec.optim.seed)
+    first = [source.batch(0, i) for i in range(min(MASK_HIDDEN_BATCHES, source.num_batches()))]
+    want = feature_mean((b["aux"], b["document_ids"]) for b in first)
+    got = load_file(run / "export" / "model.safetensors")["mask_hidden"].float().reshape(-1)
+    assert float(want.abs().max()) < 0.1  # the tiny random target's states are small: an N(0, 1) draw is far
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=0.01)  # one AdamW step of at most 1e-3, bf16 export

@@ -63,6 +63,15 @@ def test_layer_init_choices() -> None:
     assert p.path == "draft.layer_init" and "random" in p.message
 
 
+def test_mask_hidden_init_choices() -> None:
+    assert parse_spec(MIN).draft.mask_hidden_init == "random"
+    assert parse_spec({**MIN, "draft": {"mask_hidden_init": "feature_mean"}}).draft.mask_hidden_init == "feature_mean"
+    with pytest.raises(SpecInvalidError) as ei:
+        parse_spec({**MIN, "draft": {"mask_hidden_init": "zeros"}})
+    [p] = ei.value.problems
+    assert p.path == "draft.mask_hidden_init" and "feature_mean" in p.message
+
+
 def test_depth_decay_range() -> None:
     assert parse_spec(MIN).peagle.depth_decay == 1.0  # the count-normalised loss unless asked
     assert parse_spec({**MIN, "peagle": {"depth_decay": 0.5}}).peagle.depth_decay == 0.5
