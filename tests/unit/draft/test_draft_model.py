@@ -405,6 +405,7 @@ def test_the_run_draft_follows_the_spec_mask_hidden_init() -> None:
     spec = preset("tiny").model_copy(deep=True)
     spec.draft.num_layers = 1
     random_one = build_initial_draft(spec, target, vocab, 7, aux)
+    assert torch.equal(build_initial_draft(spec, target, vocab, 7, aux, source).mask_hidden, random_one.mask_hidden)
     spec.draft.mask_hidden_init = "feature_mean"
     with pytest.raises(ValueError, match="needs the run's batch source"):
         build_initial_draft(spec, target, vocab, 7, aux)
