@@ -171,6 +171,12 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
                      {"peagle.loss_positions": "all", "draft.num_layers": 3, "draft.mask_hidden_init": "feature_mean"}),
     "l2_mask_mean": ("2 layers, all positions, draft.mask_hidden_init", "feature_mean",
                      {"peagle.loss_positions": "all", "draft.num_layers": 2, "draft.mask_hidden_init": "feature_mean"}),
+    # the copied decoder layers at a fraction of the learning rate, the fresh parts (fc, mask_hidden) and the
+    # embedding / lm_head at the full one (docs/decisions.md decision 26): paired with `all_layers_2` and its peer
+    "l2_layer_lr_01": ("2 layers, all positions, optim.layer_lr_scale", 0.1,
+                       {"peagle.loss_positions": "all", "draft.num_layers": 2, "optim.layer_lr_scale": 0.1}),
+    "l2_layer_lr_03": ("2 layers, all positions, optim.layer_lr_scale", 0.3,
+                       {"peagle.loss_positions": "all", "draft.num_layers": 2, "optim.layer_lr_scale": 0.3}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
@@ -207,7 +213,8 @@ ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.
                                              ("peagle", "feature_noise"): 0.0,
                                              ("optim", "ema_decay"): 0.0,
                                              ("peagle", "logit_mse"): 0.0,
-                                             ("draft", "mask_hidden_init"): "random"}
+                                             ("draft", "mask_hidden_init"): "random",
+                                             ("optim", "layer_lr_scale"): 1.0}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:

@@ -115,7 +115,8 @@ def main() -> int:
     peer.verifier_lm_head = torch.nn.Identity()
     peer.train()
     loss_config = resolve_loss_config("kl_div", "eager")
-    optimizer = build_optimizer(peer, spec.optim)
+    # the peer's own recipe: one learning rate for every parameter (its layers start random)
+    optimizer = build_optimizer(peer, spec.optim.model_copy(update={"layer_lr_scale": 1.0}))
     scheduler = build_scheduler(optimizer, spec.optim, steps)
     params = [p for p in peer.parameters() if p.requires_grad]
     p = spec.peagle

@@ -193,6 +193,7 @@ def run_pipeline(
     from peagle.model.draft import PEagleDraft
     from peagle.target.capture import resolve_aux_layer_ids
     from peagle.target.runtime import feature_sources, load_target_runtime, wait_for_rank0
+    from peagle.train.checkpoint import find_resumable
     from peagle.train.loop import Trainer, resolve_device
     from peagle.train.optim import total_steps
 
@@ -268,7 +269,12 @@ def run_pipeline(
         }
         _write_json(run / "provenance.json", _provenance(device, facts))
 
-        draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids, source)
+        # a resumed run's weights come from its checkpoint (the same test as the Trainer's), so the first
+        # micro-batches are not read (for a streaming source: captured again) only to be overwritten
+        resuming = (spec.draft.mask_hidden_init == "feature_mean" and resume == "auto"
+                    and find_resumable(run / "checkpoints") is not None)
+        draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids, source,
+                                    from_checkpoint=resuming)
         arch = target.architectures
 
         def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
@@ -309,7 +315,7 @@ MASK_HIDDEN_BATCHES = 8
 
 
 def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: int, aux_ids: list[int],
-                        source: Any = None) -> Any:
+                        source: Any = None, *, from_checkpoint: bool = False) -> Any:
     """The untrained draft of a run (seeded by `optim.seed`, embeddings/lm_head rows from the target, the
     decoder layers / fc / final norm too when `draft.layer_init == "target"`, `mask_hidden` from the
     features of the first micro-batches when `draft.mask_hidden_init == "feature_mean"`).
@@ -322,6 +328,8 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
         aux_ids: the resolved aux layer ids.
         source: the run's training batch source (`num_batches()`, `batch(epoch, index)` with "aux" [B, N, 3H]
             and "document_ids" [B, N]); needed only for `feature_mean`.
+        from_checkpoint: the run resumes from a checkpoint, which replaces every weight: `feature_mean` reads
+            nothing and `mask_hidden` keeps its random start.
 
     Raises:
         ValueError: `feature_mean` without a source.
@@ -346,7 +354,7 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
     init_from_target(draft, model, vocab.t2d)
     if spec.draft.layer_init == "target":
         init_layers_from_target(draft, model)
-    if spec.draft.mask_hidden_init == "feature_mean":
+    if spec.draft.mask_hidden_init == "feature_mean" and not from_checkpoint:
         if source is None:
             raise ValueError("draft.mask_hidden_init feature_mean needs the run's batch source")
         first = (source.batch(0, i) for i in range(min(MASK_HIDDEN_BATCHES, source.num_batches())))

@@ -297,6 +297,14 @@ class OptimSpec(_Strict):
         default=2048, ge=16, le=131072, description="Tokens per packed row (conversations are packed into it)."
     )
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed for data order, COD sampling, init.")
+    layer_lr_scale: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=10.0,
+        description="Multiplies the learning rate of the draft's decoder layers (which `draft.layer_init` target "
+        "starts as the target's last layers); fc, mask_hidden, the embedding, lm_head and the final norm keep "
+        "`lr`. Below 1 keeps the copied layers near the target's. The same schedule scales both.",
+    )
     ema_decay: float = Field(
         default=0.0,
         ge=0.0,

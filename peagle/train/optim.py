@@ -213,22 +213,32 @@ def build_optimizer(model: nn.Module, optim: OptimSpec) -> RowLazyAdamW:
     """AdamW over the trainable parameters; weight decay on matrices only (not norms, not `mask_hidden`).
 
     Embedding tables (`nn.Embedding` weights) take the row-lazy path, so a sparse embedding gradient
-    (`peagle.train.step`) is consumed as it is.
+    (`peagle.train.step`) is consumed as it is. With `optim.layer_lr_scale` != 1 the decoder layers
+    (parameters named `layers.*`) get their own groups at `lr * layer_lr_scale`; at 1 the groups are the
+    two of every earlier run, so their optimizer checkpoints still load.
     """
-    decay: list[Tensor] = []
-    no_decay: list[Tensor] = []
+    scale = optim.layer_lr_scale
+    groups: dict[tuple[bool, bool], list[Tensor]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() == 2 and name != "mask_hidden" else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        decays = p.dim() == 2 and name != "mask_hidden"
+        in_layers = scale != 1.0 and name.startswith("layers.")
+        groups.setdefault((in_layers, decays), []).append(p)
+    param_groups: list[dict[str, Any]] = []
+    for in_layers in (False, True):
+        for decays in (True, False):
+            params = groups.get((in_layers, decays), [])
+            if not params and (in_layers or scale != 1.0):
+                continue  # the two plain groups always exist (an empty one is harmless), as they always did
+            group: dict[str, Any] = {"params": params, "weight_decay": optim.weight_decay if decays else 0.0}
+            if in_layers:
+                group["lr"] = optim.lr * scale
+            param_groups.append(group)
     tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
     # The fused kernel (CPU and CUDA) is several times faster than the per-tensor loop and allocates no
     # temporaries (the foreach path allocates several parameter-sized lists per step)
-    return RowLazyAdamW(groups, row_lazy=tables, lr=optim.lr, betas=tuple(optim.betas), eps=1e-8, fused=True)
+    return RowLazyAdamW(param_groups, row_lazy=tables, lr=optim.lr, betas=tuple(optim.betas), eps=1e-8, fused=True)
 
 
 def clip_grad_norm(params: Iterable[Tensor], max_norm: float | None) -> Tensor:

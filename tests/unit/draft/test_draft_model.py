@@ -446,3 +446,39 @@ def test_a_run_with_feature_mean_starts_mask_hidden_at_its_own_features(tmp_path
     got = load_file(run / "export" / "model.safetensors")["mask_hidden"].float().reshape(-1)
     assert float(want.abs().max()) < 0.1  # the tiny random target's states are small: an N(0, 1) draw is far
     torch.testing.assert_close(got, want, atol=3e-3, rtol=0.01)  # one AdamW step of at most 1e-3, bf16 export
+
+
+def test_a_resumed_feature_mean_run_reads_no_batch_for_mask_hidden(tmp_path, tiny_target_path, monkeypatch) -> None:
+    """A resumed run takes every weight from its checkpoint, so it does not read (for a streaming source,
+    capture again) the first micro-batches for a `mask_hidden` start it would overwrite; it still ends
+    exactly where the uninterrupted run did."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    import peagle.model.initialization as init_mod
+    from peagle.pipeline import run_pipeline
+    from peagle.spec import parse_spec, preset
+    from peagle.train.progress import RecordingSink
+
+    data = preset("tiny").model_dump(mode="json")
+    data["resources"]["capture"] = "offline"
+    data["optim"]["max_steps"] = 2
+    data["checkpoints"]["every_steps"] = 1
+    data["draft"]["mask_hidden_init"] = "feature_mean"
+    data["eval"].update(prompt_sets=[], serve_check=False)
+    spec = parse_spec(data)
+    run = tmp_path / "run"
+    calls: list[int] = []
+    real = init_mod.feature_mean
+    monkeypatch.setattr(init_mod, "feature_mean", lambda batches: calls.append(1) or real(batches))
+    run_pipeline(spec, run, sink=RecordingSink())
+    assert calls == [1]  # a fresh run reads them
+    first = load_file(run / "export" / "model.safetensors")
+    shutil.rmtree(run / "checkpoints" / "step_000002")  # as if the run had died after step 1
+    sink = RecordingSink()
+    run_pipeline(spec, run, sink=sink)
+    assert any(r.get("kind") == "resumed" for r in sink.records)
+    assert calls == [1]  # the resumed run read nothing for it
+    for name, value in load_file(run / "export" / "model.safetensors").items():
+        assert torch.equal(value, first[name]), name

@@ -260,3 +260,18 @@ def test_weight_average_resumes_exactly(tmp_path: Path) -> None:
     Trainer(tiny_spec(optim={"epochs": 1}), tiny_draft(), tiny_source(), run_dir=plain).train()
     with pytest.raises(ValueError, match="no weight average"):
         Trainer(tiny_spec(optim={"epochs": 2, "ema_decay": 0.8}), tiny_draft(), tiny_source(), run_dir=plain).train()
+
+
+def test_layer_lr_scale_resumes_exactly(tmp_path: Path) -> None:
+    """The scaled layer groups and their schedule come back from a checkpoint: a run resumed after step 6
+    ends where the uninterrupted one does."""
+    spec = tiny_spec(optim={"epochs": 2, "grad_accumulation": 1, "layer_lr_scale": 0.3})  # 8 steps
+    ref_trainer = Trainer(spec, tiny_draft(), tiny_source())
+    ref = ref_trainer.train()
+    Trainer(spec, tiny_draft(), tiny_source(), run_dir=tmp_path).train()
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000008")
+    resumed = Trainer(spec, tiny_draft(seed=5), tiny_source(), run_dir=tmp_path)
+    assert resumed.train().losses == ref.losses[6:]
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in ref_trainer.optimizer.param_groups]
+    for name, value in ref_trainer.draft.state_dict().items():
+        assert torch.equal(value, resumed.draft.state_dict()[name]), name

@@ -229,3 +229,40 @@ def test_trainer_takes_target_temperature_from_the_spec() -> None:
 def test_trainer_takes_logit_mse_from_the_spec() -> None:
     assert Trainer(tiny_spec(peagle={"logit_mse": 2.0}), tiny_draft(), tiny_source()).objective.logit_mse == 2.0
     assert Trainer(tiny_spec(), tiny_draft(), tiny_source()).objective.logit_mse == 0.0
+
+
+def test_layer_lr_scale_scales_the_decoder_layers_steps_only() -> None:
+    """One AdamW step moves each parameter by lr * (wd * p + m_hat / (sqrt(v_hat) + eps)): at the same start
+    and data, a layer's step at `layer_lr_scale` s is s times its step at 1, and every other parameter's
+    step is unchanged."""
+    def one_step(scale: float) -> tuple[dict[str, torch.Tensor], Trainer]:
+        spec = tiny_spec(optim={"max_steps": 1, "warmup_ratio": 0.0, "weight_decay": 0.1, "layer_lr_scale": scale})
+        trainer = Trainer(spec, tiny_draft(), tiny_source(num_batches=1))
+        start = {n: p.detach().clone() for n, p in trainer.draft.named_parameters()}
+        trainer.train()
+        return {n: p.detach() - start[n] for n, p in trainer.draft.named_parameters()}, trainer
+
+    base, plain = one_step(1.0)
+    scaled, split = one_step(0.25)
+    assert len(plain.optimizer.param_groups) == 2  # the groups of every earlier run (their checkpoints load)
+    assert sorted(g["initial_lr"] for g in split.optimizer.param_groups) == pytest.approx([2.5e-4, 2.5e-4, 1e-3, 1e-3])
+    layers = [n for n in base if n.startswith("layers.")]
+    assert layers and len(layers) < len(base) and any("fc" in n for n in base if n not in layers)
+    for name, delta in base.items():
+        assert delta.abs().max() > 0, name  # every parameter moved, so the comparison below means something
+        want = delta * 0.25 if name.startswith("layers.") else delta
+        torch.testing.assert_close(scaled[name], want, rtol=1e-3, atol=1e-9, msg=name)
+
+
+def test_build_optimizer_keeps_two_groups_unless_layers_are_scaled() -> None:
+    from peagle.train.optim import build_optimizer
+
+    draft = tiny_draft()
+    assert [len(g["params"]) for g in build_optimizer(draft, tiny_spec().optim).param_groups] == [
+        sum(1 for n, p in draft.named_parameters() if p.dim() == 2 and n != "mask_hidden"),
+        sum(1 for n, p in draft.named_parameters() if not (p.dim() == 2 and n != "mask_hidden"))]
+    groups = build_optimizer(draft, tiny_spec(optim={"layer_lr_scale": 3.0}).optim).param_groups
+    by_id = {id(p): g["lr"] for g in groups for p in g["params"]}
+    assert len(by_id) == sum(1 for _ in draft.parameters())  # every parameter once
+    for name, p in draft.named_parameters():
+        assert by_id[id(p)] == pytest.approx(3e-3 if name.startswith("layers.") else 1e-3), name
