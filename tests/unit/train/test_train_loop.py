@@ -170,19 +170,27 @@ def test_feature_noise_reaches_the_training_step_only() -> None:
     assert again_loss == noisy_loss and torch.equal(again_fc, noisy_fc)
 
 
+def _assert_resumes_exactly(spec: Any, run_dir: Path) -> tuple[Trainer, Trainer, Any]:
+    """Trains `spec` (8 steps, checkpoints every 2) uninterrupted and again into `run_dir`, drops the last
+    checkpoint (as if the run had died after step 6) and resumes a differently seeded draft: the resumed
+    steps' losses and the final weights must equal the uninterrupted run's. Returns (reference trainer,
+    resumed trainer, reference result)."""
+    ref_trainer = Trainer(spec, tiny_draft(), tiny_source())
+    ref = ref_trainer.train()
+    Trainer(spec, tiny_draft(), tiny_source(), run_dir=run_dir).train()
+    shutil.rmtree(run_dir / "checkpoints" / "step_000008")
+    resumed = Trainer(spec, tiny_draft(seed=5), tiny_source(), run_dir=run_dir)
+    assert resumed.train().losses == ref.losses[6:]
+    for name, value in ref_trainer.draft.state_dict().items():
+        assert torch.equal(value, resumed.draft.state_dict()[name]), name
+    return ref_trainer, resumed, ref
+
+
 def test_feature_noise_and_all_positions_resume_exactly_and_partition_exactly(tmp_path: Path) -> None:
     """The noise is keyed per row (not drawn from a global stream), so a resumed run draws what the
     uninterrupted one drew, and a partitioned step sees the same noisy features as a whole one."""
     knobs = {"feature_noise": 0.2, "loss_positions": "all"}
-    spec = tiny_spec(optim={"epochs": 2}, peagle=knobs)  # 8 steps, checkpoints every 2
-    ref_trainer = Trainer(spec, tiny_draft(), tiny_source())
-    ref = ref_trainer.train()
-    Trainer(spec, tiny_draft(), tiny_source(), run_dir=tmp_path).train()
-    shutil.rmtree(tmp_path / "checkpoints" / "step_000008")
-    resumed = Trainer(spec, tiny_draft(seed=5), tiny_source(), run_dir=tmp_path)
-    assert resumed.train().losses == ref.losses[6:]
-    for name, value in ref_trainer.draft.state_dict().items():
-        assert torch.equal(value, resumed.draft.state_dict()[name]), name
+    _, _, ref = _assert_resumes_exactly(tiny_spec(optim={"epochs": 2}, peagle=knobs), tmp_path)
     parted = Trainer(tiny_spec(optim={"epochs": 2}, peagle={**knobs, "sequence_partitions": 3}), tiny_draft(),
                      tiny_source()).train()
     torch.testing.assert_close(torch.tensor(parted.losses), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
@@ -265,13 +273,7 @@ def test_weight_average_resumes_exactly(tmp_path: Path) -> None:
 def test_layer_lr_scale_resumes_exactly(tmp_path: Path) -> None:
     """The scaled layer groups and their schedule come back from a checkpoint: a run resumed after step 6
     ends where the uninterrupted one does."""
-    spec = tiny_spec(optim={"epochs": 2, "grad_accumulation": 1, "layer_lr_scale": 0.3})  # 8 steps
-    ref_trainer = Trainer(spec, tiny_draft(), tiny_source())
-    ref = ref_trainer.train()
-    Trainer(spec, tiny_draft(), tiny_source(), run_dir=tmp_path).train()
-    shutil.rmtree(tmp_path / "checkpoints" / "step_000008")
-    resumed = Trainer(spec, tiny_draft(seed=5), tiny_source(), run_dir=tmp_path)
-    assert resumed.train().losses == ref.losses[6:]
+    spec = tiny_spec(optim={"epochs": 2, "grad_accumulation": 1, "layer_lr_scale": 0.3})
+    ref_trainer, resumed, _ = _assert_resumes_exactly(spec, tmp_path)
+    assert len(resumed.optimizer.param_groups) == 4
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in ref_trainer.optimizer.param_groups]
-    for name, value in ref_trainer.draft.state_dict().items():
-        assert torch.equal(value, resumed.draft.state_dict()[name]), name
