@@ -179,6 +179,8 @@ _VARIANTS: dict[str, tuple[str, Any, dict[str, Any]]] = {
                        {"peagle.loss_positions": "all", "draft.num_layers": 2, "optim.layer_lr_scale": 0.3}),
     "l2_layer_lr_3": ("2 layers, all positions, optim.layer_lr_scale", 3.0,
                       {"peagle.loss_positions": "all", "draft.num_layers": 2, "optim.layer_lr_scale": 3.0}),
+    "l2_layer_lr_10": ("2 layers, all positions, optim.layer_lr_scale", 10.0,
+                       {"peagle.loss_positions": "all", "draft.num_layers": 2, "optim.layer_lr_scale": 10.0}),
     # the demo (1920 conversations x 4 passes) with the prompts' tokens trained too: the demo now, the same run
     # as `baseline` (docs/decisions.md decision 20)
     "demo_all_positions": ("peagle.loss_positions (the demo)", "all", {"peagle.loss_positions": "all"}),
