@@ -269,12 +269,13 @@ def run_pipeline(
         }
         _write_json(run / "provenance.json", _provenance(device, facts))
 
-        # a resumed run's weights come from its checkpoint (the same test as the Trainer's), so the first
-        # micro-batches are not read (for a streaming source: captured again) only to be overwritten
-        resuming = (spec.draft.mask_hidden_init == "feature_mean" and resume == "auto"
-                    and find_resumable(run / "checkpoints") is not None)
+        # a resumed run's weights come from its checkpoint (found here, handed to the Trainer, verified
+        # once), so the first micro-batches are not read (for a streaming source: captured again) only to be
+        # overwritten
+        resume_from = (find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
+                       if spec.draft.mask_hidden_init == "feature_mean" and resume == "auto" else None)
         draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids, source,
-                                    from_checkpoint=resuming)
+                                    from_checkpoint=resume_from is not None)
         arch = target.architectures
 
         def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
@@ -300,6 +301,7 @@ def run_pipeline(
             if spec.eval.prompt_sets else None,
             device=device,
             resume=resume,
+            resume_from=resume_from,
         )
         trainer.train()
 

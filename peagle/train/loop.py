@@ -97,6 +97,8 @@ class Trainer:
         dist: the DDP context (`init_distributed()`); None = one process.
         device: overrides `resources.device`.
         resume: `auto` continues from the newest complete checkpoint in RUN/checkpoints; `never` ignores it.
+        resume_from: with `auto`, the checkpoint the caller already chose with `find_resumable` (verified),
+            so it is not searched and hashed again; None = the Trainer searches.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class Trainer:
         dist: DistContext | None = None,
         device: torch.device | str | None = None,
         resume: str = "auto",
+        resume_from: Path | None = None,
     ) -> None:
         self.spec = spec
         self.device = torch.device(device) if device is not None else resolve_device(spec)
@@ -122,7 +125,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.sink: ProgressSink = (sink or NullSink()) if self.dist.is_main else NullSink()
         self.extra_writer, self.evaluate_hook = extra_writer, evaluate_hook
-        self.resume = resume
+        self.resume, self.resume_from = resume, resume_from
         p, o, r = spec.peagle, spec.optim, spec.resources
         resolved = spec.resolve(cuda_available=self.device.type == "cuda")
         r = resolved.resources
@@ -394,7 +397,8 @@ class Trainer:
     def _maybe_resume(self) -> None:
         if self.resume != "auto" or self.ckpt_root is None:
             return
-        path = find_resumable(self.ckpt_root, warn=lambda m: self.sink.event("warning", message=m))
+        path = self.resume_from or find_resumable(self.ckpt_root,
+                                                  warn=lambda m: self.sink.event("warning", message=m))
         if path is None:
             return
         state = load_training_state(path)

@@ -218,23 +218,16 @@ def build_optimizer(model: nn.Module, optim: OptimSpec) -> RowLazyAdamW:
     two of every earlier run, so their optimizer checkpoints still load.
     """
     scale = optim.layer_lr_scale
-    groups: dict[tuple[bool, bool], list[Tensor]] = {}
+    plain: dict[bool, list[Tensor]] = {True: [], False: []}  # decays -> parameters
+    layers: dict[bool, list[Tensor]] = {True: [], False: []}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        decays = p.dim() == 2 and name != "mask_hidden"
-        in_layers = scale != 1.0 and name.startswith("layers.")
-        groups.setdefault((in_layers, decays), []).append(p)
-    param_groups: list[dict[str, Any]] = []
-    for in_layers in (False, True):
-        for decays in (True, False):
-            params = groups.get((in_layers, decays), [])
-            if not params and (in_layers or scale != 1.0):
-                continue  # the two plain groups always exist (an empty one is harmless), as they always did
-            group: dict[str, Any] = {"params": params, "weight_decay": optim.weight_decay if decays else 0.0}
-            if in_layers:
-                group["lr"] = optim.lr * scale
-            param_groups.append(group)
+        if p.requires_grad:
+            own_rate = scale != 1.0 and name.startswith("layers.")
+            (layers if own_rate else plain)[p.dim() == 2 and name != "mask_hidden"].append(p)
+    param_groups: list[dict[str, Any]] = [
+        {"params": plain[decays], "weight_decay": optim.weight_decay if decays else 0.0} for decays in (True, False)]
+    param_groups += [{"params": layers[decays], "weight_decay": optim.weight_decay if decays else 0.0,
+                      "lr": optim.lr * scale} for decays in (True, False) if layers[decays]]
     tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
     # The fused kernel (CPU and CUDA) is several times faster than the per-tensor loop and allocates no
     # temporaries (the foreach path allocates several parameter-sized lists per step)

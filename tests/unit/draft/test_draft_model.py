@@ -457,6 +457,7 @@ def test_a_resumed_feature_mean_run_reads_no_batch_for_mask_hidden(tmp_path, tin
     from safetensors.torch import load_file
 
     import peagle.model.initialization as init_mod
+    import peagle.train.checkpoint as ckpt_mod
     from peagle.pipeline import run_pipeline
     from peagle.spec import parse_spec, preset
     from peagle.train.progress import RecordingSink
@@ -476,9 +477,14 @@ def test_a_resumed_feature_mean_run_reads_no_batch_for_mask_hidden(tmp_path, tin
     assert calls == [1]  # a fresh run reads them
     first = load_file(run / "export" / "model.safetensors")
     shutil.rmtree(run / "checkpoints" / "step_000002")  # as if the run had died after step 1
+    hashed: list[str] = []
+    real_sha = ckpt_mod._sha256
+    monkeypatch.setattr(ckpt_mod, "_sha256", lambda path: hashed.append(str(path)) or real_sha(path))
     sink = RecordingSink()
     run_pipeline(spec, run, sink=sink)
     assert any(r.get("kind") == "resumed" for r in sink.records)
     assert calls == [1]  # the resumed run read nothing for it
+    read = [h for h in hashed if "step_000001" in h]
+    assert read and len(read) == len(set(read)), read  # the checkpoint it resumed from was verified once
     for name, value in load_file(run / "export" / "model.safetensors").items():
         assert torch.equal(value, first[name]), name
