@@ -3,7 +3,8 @@
 `celery_config(settings)` is the Celery configuration shared by the API (producer) and the worker
 (`worker/app.py` imports it), so both agree on the broker and its transport options. Torch-free.
 
-Embedded default: Celery's `filesystem://` transport. kombu's filesystem transport writes messages to
+Embedded default: Celery's `filesystem://` broker, through `service.fsbroker.Transport` (kombu's transport
+with messages that are never read half-written). kombu's filesystem transport writes messages to
 `data_folder_out` and reads from `data_folder_in`; the producer and consumer therefore use the SAME folder
 for both (`<broker_folder>/queue`), so the configuration is identical on both sides.
 """
@@ -16,10 +17,12 @@ from typing import Any
 
 from service.settings import Settings
 
-__all__ = ["DELIVERY", "TRAIN_TASK", "WORKER_ONLY", "Producer", "celery_config", "make_producer", "task_options",
+__all__ = ["DELIVERY", "FILESYSTEM_TRANSPORT", "TRAIN_TASK", "WORKER_ONLY", "Producer", "celery_config", "make_producer", "task_options",
            "worker_argv", "worker_config"]
 
 TRAIN_TASK = "peagle.train"
+#: kombu's filesystem transport with atomic puts and gets (service/fsbroker.py): the embedded broker's.
+FILESYSTEM_TRANSPORT = "service.fsbroker:Transport"
 
 
 def broker_folders(settings: Settings) -> dict[str, Path]:
@@ -72,6 +75,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         folders = broker_folders(settings)
         for folder in folders.values():
             folder.mkdir(parents=True, exist_ok=True)
+        conf["broker_transport"] = FILESYSTEM_TRANSPORT
         conf["broker_transport_options"] = {
             "data_folder_in": str(folders["queue"]),
             "data_folder_out": str(folders["queue"]),
