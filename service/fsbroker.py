@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -31,6 +30,8 @@ from kombu.transport import filesystem
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
+from peagle.fileio import atomic_write_bytes
+
 __all__ = ["Channel", "Transport"]
 
 log = logging.getLogger(__name__)
@@ -41,20 +42,12 @@ class Channel(filesystem.Channel):
 
     # kombu's filesystem Channel names the argument `payload`, its abstract base `message`: one must differ
     def _put(self, queue: Any, payload: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Write the message under a hidden name, then rename it to kombu's `<ms>_<uuid>.<queue>.msg`."""
-        body = str_to_bytes(dumps(payload))
-        folder = Path(self.data_folder_out)
-        final = folder / f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
-        partial = folder / f".put-{uuid.uuid4()}"
+        """Write the message under a hidden name (`peagle.fileio`), then rename it to kombu's `<ms>_<uuid>.<queue>.msg`."""
+        final = Path(self.data_folder_out) / f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         try:
-            with partial.open("wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            partial.replace(final)
+            atomic_write_bytes(final, str_to_bytes(dumps(payload)), durable=True)
         except OSError as exc:
-            partial.unlink(missing_ok=True)
-            raise ChannelError(f"Cannot add file {final.name!r} to directory {str(folder)!r}: {exc}") from exc
+            raise ChannelError(f"Cannot add file {final.name!r} to directory {str(final.parent)!r}: {exc}") from exc
 
     def _get(self, queue: Any, timeout: Any = None) -> Any:
         """The oldest complete message of `queue`; `queue.Empty` when there is none."""

@@ -56,7 +56,7 @@ def test_a_consumer_polling_mid_write_never_reads_a_partial_message(tmp_path, mo
 
     def hooked_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         f = real_open(file, mode, *args, **kwargs)
-        return Hooked(f) if "w" in mode and Path(file).parent == tmp_path else f
+        return Hooked(f) if set(mode) & set("wxa") and Path(file).parent == tmp_path else f
 
     try:
         monkeypatch.setattr(builtins, "open", hooked_open)
@@ -92,11 +92,11 @@ def test_two_consumers_take_each_message_once(tmp_path) -> None:
 def test_a_damaged_message_is_dropped_with_a_warning_not_raised(tmp_path, caplog) -> None:
     conn, ch = _channel(tmp_path)
     try:
-        (tmp_path / "1_aaaa.q.msg").write_bytes(b"")  # damaged outside the service
+        (tmp_path / "0_aaaa.q.msg").write_bytes(b"")  # damaged outside the service; "0_" sorts first
         ch._put("q", {"n": 2})
         with caplog.at_level(logging.WARNING, logger="service.fsbroker"):
             assert ch._get("q") == {"n": 2}
-        assert "dropped message 1_aaaa.q.msg of queue q" in caplog.text
+        assert "dropped message 0_aaaa.q.msg of queue q" in caplog.text
         assert list(tmp_path.iterdir()) == []
     finally:
         conn.release()
@@ -116,7 +116,7 @@ def test_the_api_and_the_worker_use_it(tmp_path) -> None:
     p = make_producer(s)
     try:
         p.send_train("job_Z", "cpu")
-        assert p.waiting_task_ids("cpu") is not None and len(p.waiting_task_ids("cpu") or ()) == 1
+        assert len(p.waiting_task_ids("cpu") or ()) == 1
     finally:
         p.close()
     assert [f.name.endswith(".cpu.msg") for f in broker_folders(s)["queue"].iterdir()] == [True]
