@@ -187,8 +187,9 @@ def run_pipeline(
     """
     from peagle.data.packing import document_prompts
     from peagle.data.prepare import prepare_data
+    from peagle.data.prompts import PromptSources
     from peagle.engine.locate import vllm_available
-    from peagle.eval.job import PromptSources, al_hook, evaluate_run
+    from peagle.eval.job import al_hook, evaluate_run
     from peagle.export.writer import export_draft
     from peagle.model.draft import PEagleDraft
     from peagle.target.capture import resolve_aux_layer_ids

@@ -118,8 +118,8 @@ def run_eval(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from peagle.builtin import local_verifier
+    from peagle.data.prompts import PromptSources, prompt_set_ids
     from peagle.errors import TargetLoadError
-    from peagle.eval.job import PromptSources, prompt_set_ids
     from peagle.eval.reference import evaluate_prompts
     from peagle.eval.serve_check import compare_reports, measure_vllm
     from peagle.export.writer import (

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from peagle.data.prompts import dataset_prompts
+from peagle.data.prompts import dataset_prompts, prompt_set_ids
 from peagle.errors import DataInvalidError
-from peagle.eval.job import prompt_set_ids
 from peagle.eval.reference import tokenize_prompts
 
 
