@@ -17,8 +17,8 @@ from typing import Any
 
 from service.settings import Settings
 
-__all__ = ["DELIVERY", "FILESYSTEM_TRANSPORT", "TRAIN_TASK", "WORKER_ONLY", "Producer", "celery_config", "make_producer", "task_options",
-           "worker_argv", "worker_config"]
+__all__ = ["DELIVERY", "FILESYSTEM_TRANSPORT", "TRAIN_TASK", "WORKER_ONLY", "Producer", "celery_config", "declared_queue",
+           "make_producer", "task_options", "worker_argv", "worker_config"]
 
 TRAIN_TASK = "peagle.train"
 #: kombu's filesystem transport with atomic puts and gets (service/fsbroker.py): the embedded broker's.
@@ -91,10 +91,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 def worker_config(settings: Settings, queues: list[str]) -> dict[str, Any]:
     """The consuming worker's settings: `celery_config` plus `WORKER_ONLY` and its explicit queues."""
-    from kombu import Queue
-
     return {**celery_config(settings), **WORKER_ONLY,
-            "task_queues": [Queue(n, routing_key=n) for n in queues], "task_default_queue": queues[0]}
+            "task_queues": [declared_queue(n) for n in queues], "task_default_queue": queues[0]}
 
 
 def task_options() -> dict[str, Any]:
@@ -110,8 +108,24 @@ def worker_argv() -> list[str]:
             f"--max-tasks-per-child={DELIVERY['worker_max_tasks_per_child']}"]
 
 
+def declared_queue(name: str) -> Any:
+    """The kombu `Queue` called `name`, bound to a direct exchange of the same name (routing key `name`).
+
+    The producer and the worker (`worker_config`) declare every queue this one way, so both sides bind it
+    identically whatever the order of a worker's queues.
+    """
+    from kombu import Exchange, Queue
+
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
 class Producer:
-    """Sends `peagle.train` tasks; `ping()` checks the broker answers."""
+    """Sends `peagle.train` tasks to any queue, in any order; `ping()` checks the broker answers.
+
+    Each send names its queue as a declared kombu `Queue` (not a name looked up in `task_queues`): Celery
+    builds its router from `task_queues` once, so a queue added to the configuration later was never
+    found (`Queue 'cpu' missing from task_queues` for every queue but the first one sent to).
+    """
 
     def __init__(self, settings: Settings) -> None:
         from celery import Celery
@@ -119,22 +133,10 @@ class Producer:
         self.settings = settings
         self.app = Celery("peagle-api", set_as_current=False)
         self.app.conf.update(celery_config(settings))
-        self._queues: set[str] = set()
-
-    def _declare(self, queue: str) -> None:
-        if queue in self._queues:
-            return
-        from kombu import Queue
-
-        queues = list(self.app.conf.task_queues or [])
-        queues.append(Queue(queue, routing_key=queue))
-        self.app.conf.task_queues = queues
-        self._queues.add(queue)
 
     def send_train(self, job_id: str, queue: str, task_id: str | None = None) -> str:
         """Queue task `peagle.train(job_id)` on `queue` (optionally with a chosen task id); returns the id."""
-        self._declare(queue)
-        result = self.app.send_task(TRAIN_TASK, args=[job_id], queue=queue, routing_key=queue, task_id=task_id)
+        result = self.app.send_task(TRAIN_TASK, args=[job_id], queue=declared_queue(queue), task_id=task_id)
         return str(result.id)
 
     def waiting_task_ids(self, queue: str) -> set[str] | None:
