@@ -5,6 +5,10 @@
     >>> split_devices(["4", "5"], capture_gpus=0, train_gpus=2)    # shared: the engine runs beside the trainer
     (['4', '5'], ['4', '5'])
 
+`job_devices` is the one place a job's split is computed (the worker's supervisor before it starts the
+trainer, `peagle.target.runtime` inside it when the supervisor did not say): the job's resources and the
+visible devices in, (engine devices, trainer devices) out.
+
 The trainer takes the first `train_gpus` of the job's devices (torchrun ranks 0..n-1 on them), the engine
 the next `capture_gpus` (vLLM runs tensor_parallel_size x data_parallel_size workers over them). With
 `capture_gpus` 0 the engine shares every GPU of the job with the trainer (its memory share is
@@ -14,8 +18,9 @@ the next `capture_gpus` (vLLM runs tensor_parallel_size x data_parallel_size wor
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["split_devices"]
+__all__ = ["job_devices", "split_devices"]
 
 
 def split_devices(devices: Sequence[str], capture_gpus: int, train_gpus: int) -> tuple[list[str], list[str]]:
@@ -33,3 +38,20 @@ def split_devices(devices: Sequence[str], capture_gpus: int, train_gpus: int) ->
     if capture_gpus == 0:
         return list(trainer), trainer
     return devs[train_gpus : train_gpus + capture_gpus], trainer
+
+
+def job_devices(resources: Any, *, visible: str | None, gpu_count: int | None = None) -> tuple[list[str], list[str]]:
+    """(engine devices, trainer devices) of a job with `resources` (a resolved spec's `resources`:
+    `gpus`, `capture_gpus`, `train_gpus`): its first `gpus` visible devices, split by `split_devices`.
+
+    Args:
+        resources: `TrainSpec.resolve(...).resources`.
+        visible: the `CUDA_VISIBLE_DEVICES` the job runs under; None or empty = devices `0..gpu_count-1`.
+        gpu_count: how many devices there are when `visible` says nothing (None = `resources.gpus`).
+
+    Raises:
+        ValueError: as `split_devices`.
+    """
+    count = resources.gpus if gpu_count is None else gpu_count
+    names = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(count)]
+    return split_devices(names[: resources.gpus], resources.capture_gpus or 0, resources.train_gpus or resources.gpus)

@@ -87,11 +87,10 @@ def _engine_devices(resolved: Any) -> str | None:
     env = os.environ.get("PEAGLE_ENGINE_DEVICES")
     if env:
         return env
-    from peagle.engine.placement import split_devices
+    from peagle.engine.placement import job_devices
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
-    engine, _trainer = split_devices(names[: r.gpus], r.capture_gpus or 0, r.train_gpus or r.gpus)
+    engine, _trainer = job_devices(r, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                   gpu_count=torch.cuda.device_count())
     return ",".join(engine)
 
 

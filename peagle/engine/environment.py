@@ -1,0 +1,131 @@
+"""What a child process (the trainer, a vLLM engine, a probe) may see of its parent's environment.
+
+    env = child_env(extra={"PEAGLE_JOB_ID": job_id})          # the trainer
+    env = vllm_env(python=py, devices="3", offline=True)       # a vLLM engine or probe (on child_env)
+
+`child_env` is an ALLOW-list: a child gets only what Python, torch, OpenMP/MKL/oneDNN, CUDA/NCCL,
+torchrun, Hugging Face (offline switches, caches), vLLM and the locale read, plus the non-secret
+`PEAGLE_*` settings the trainer and the engines read (`CHILD_PEAGLE_VARS`), plus `extra`. Everything else
+stays in the worker: the service's secrets and endpoints (`PEAGLE_SECRET_KEY`, `PEAGLE_DATABASE_URL` with
+its credentials, `PEAGLE_BROKER_URL`, `PEAGLE_REDIS_URL`, ...) and any name that looks like a credential
+(`*_URL`, `*PASSWORD*`, `*SECRET*`, `*TOKEN*`; the Hugging Face hub token `HF_TOKEN` is the one exception,
+a target can be a gated hub model the trainer downloads). The proxy variables pass (hub downloads behind a
+proxy).
+
+`vllm_env` is the one environment every vLLM process is started with (`peagle.engine.server` and
+`peagle.engine.prober`): `child_env` without this interpreter's Python settings (vLLM runs in its own
+venv), plus vLLM's settings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["CHILD_PEAGLE_VARS", "child_env", "vllm_env"]
+
+#: The non-secret `PEAGLE_*` settings a child reads: the CPU GEMM choice (`peagle.model.cpu_kernels`),
+#: vLLM's interpreter (`peagle.engine.locate`), the builtin cache (`peagle.builtin`), the owner's
+#: regeneration cache (`peagle.data.regenerate_cache`), the engine's GPUs (`peagle.target.runtime`), the
+#: CLI's traceback switch, and the job and attempt the supervisor names.
+CHILD_PEAGLE_VARS: tuple[str, ...] = (
+    "PEAGLE_CPU_GEMM", "PEAGLE_VLLM_PYTHON", "PEAGLE_CACHE", "PEAGLE_REGEN_CACHE", "PEAGLE_ENGINE_DEVICES",
+    "PEAGLE_DEBUG", "PEAGLE_JOB_ID", "PEAGLE_ATTEMPT",
+)  # fmt: skip
+
+#: Names passed as they are.
+_NAMES = frozenset({
+    # process, shell, locale, temp folders
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TZ", "LANG", "LANGUAGE", "TMPDIR", "TEMP", "TMP",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME",
+    # Python
+    "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS",
+    "PYTHONFAULTHANDLER", "PYTHONMALLOC", "PYTHONIOENCODING", "PYTHONUTF8",
+    # oneDNN kernel-cache bounds (peagle.ONEDNN_CACHE_BOUNDS), tokenizers, progress bars
+    "LRU_CACHE_CAPACITY", "TOKENIZERS_PARALLELISM", "TQDM_DISABLE", "DO_NOT_TRACK",
+    # CUDA
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "CUDA_PATH", "CUDA_LAUNCH_BLOCKING",
+    "CUDA_MODULE_LOADING", "CUDA_CACHE_PATH", "CUBLAS_WORKSPACE_CONFIG",
+    # torchrun / torch.distributed (a rank's engine is started inside a torchrun rank)
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    # Hugging Face
+    "HF_TOKEN", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE",
+    # proxies (hub downloads)
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    *CHILD_PEAGLE_VARS,
+})  # fmt: skip
+
+#: Name prefixes passed (every variable of these libraries).
+_PREFIXES = (
+    "LC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_", "TORCH_", "TORCHINDUCTOR_",
+    "TORCHDYNAMO_", "TORCHELASTIC_", "PYTORCH_", "NCCL_", "NVIDIA_", "CUDNN_", "TRITON_", "HF_", "VLLM_",
+)  # fmt: skip
+
+#: What never passes through `base`, whatever the lists above say (HF_TOKEN excepted, module docstring):
+#: `*_URL`, `*PASSWORD*`, `*PASSWD*`, `*SECRET*`, and `TOKEN`/`API_KEY` as a word (`TOKENIZERS_*` passes).
+_DENIED = re.compile(r"_URL$|PASSWORD|PASSWD|SECRET|(^|_)(TOKENS?|API_KEY)($|_)")
+
+
+def _allowed(name: str) -> bool:
+    if name != "HF_TOKEN" and _DENIED.search(name.upper()):
+        return False
+    return name in _NAMES or name.startswith(_PREFIXES)
+
+
+def child_env(*, extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process: the allowed variables of `base`, plus `extra` (module docstring).
+
+    Args:
+        extra: added as they are (after the filter; the caller names what the child needs).
+        base: the environment to filter; None = `os.environ`.
+    """
+    src = os.environ if base is None else base
+    env = {k: v for k, v in src.items() if _allowed(k)}
+    env.update(extra or {})
+    return env
+
+
+def vllm_env(
+    *,
+    python: Path | None,
+    devices: str | None,
+    offline: bool,
+    cpu_kv_cache_gb: float = 2.0,
+    pythonpath: Sequence[Path] = (),
+    extra: Mapping[str, str] | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of a vLLM process (`vllm serve`, the probe): `child_env` without this venv's Python
+    settings (`PYTHON*`, `VIRTUAL_ENV`) and without `TQDM_DISABLE` (vLLM's generate divides by a disabled
+    bar's elapsed time, 0), plus vLLM's settings.
+
+    Args:
+        python: vLLM's interpreter (on a CPU its venv's `lib/libiomp5.so` is preloaded: vLLM CPU wants
+            Intel OpenMP); None = unknown.
+        devices: the engine's `CUDA_VISIBLE_DEVICES`; None = a CPU engine, or the inherited devices.
+        offline: set `HF_HUB_OFFLINE=1` (the model is a local folder).
+        cpu_kv_cache_gb: `VLLM_CPU_KVCACHE_SPACE` unless the environment sets it.
+        pythonpath: the only `PYTHONPATH` (vLLM's plug-in modules; never `peagle`).
+        extra: added last, as they are.
+        base: as `child_env`.
+    """
+    env = {k: v for k, v in child_env(base=base).items()
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV")) and k != "TQDM_DISABLE"}  # fmt: skip
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    elif python is not None:
+        iomp = python.parent.parent / "lib" / "libiomp5.so"
+        if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+            env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
+    env.update(extra or {})
+    return env
