@@ -142,7 +142,7 @@ def child(data_file: Path, segments: int, threads: int, steps: int = 1, tensors:
     from peagle.model.draft import DraftConfig, PEagleDraft
     from peagle.spec import parse_spec
     from peagle.train.loop import Trainer
-    from peagle.train.progress import RecordingSink
+    from peagle.progress import RecordingSink
 
     torch.set_num_threads(threads)
     data = torch.load(data_file, weights_only=True)

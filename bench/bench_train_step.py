@@ -47,9 +47,9 @@ from peagle.data.packing import shift_rows  # noqa: E402
 from peagle.data.template import tokenize_conversation  # noqa: E402
 from peagle.model import cpu_kernels as core_cpu  # noqa: E402
 from peagle.model.draft import DraftConfig, PEagleDraft  # noqa: E402
+from peagle.progress import RecordingSink  # noqa: E402
 from peagle.spec import parse_spec  # noqa: E402
 from peagle.train.loop import Trainer  # noqa: E402
-from peagle.train.progress import RecordingSink  # noqa: E402
 
 PEER_PY = ROOT / ".peer-venv" / "bin" / "python"
 T, K, R, R_MIN, VD, LAYERS = 512, 8, 0.7, 0.2, 8192, 2

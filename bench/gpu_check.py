@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from peagle.train.progress import RecordingSink
+from peagle.progress import RecordingSink
 
 ROOT = Path(__file__).resolve().parents[1]
 

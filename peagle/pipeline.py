@@ -36,10 +36,9 @@ import torch
 
 from peagle.errors import TargetLoadError
 from peagle.fileio import atomic_write_json
+from peagle.progress import ProgressLog, ProgressSink
 from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.targets import portable_verifier
-from peagle.train.heartbeat import ProgressLog
-from peagle.train.progress import ProgressSink
 
 __all__ = ["PipelineResult", "build_initial_draft", "load_target", "resolve_dtype", "run_pipeline", "verifier_name"]
 

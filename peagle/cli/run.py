@@ -169,9 +169,9 @@ def train_cmd(
     ),
 ) -> None:
     """Train a P-EAGLE draft: data, vocab, capture, train, evaluate, export (RUN/export)."""
-    from peagle.train.progress import JsonlSink, MultiSink
+    from peagle.progress import JsonlSink, MultiSink, ProgressSink
 
-    sinks: list[Any] = []
+    sinks: list[ProgressSink] = []
     try:
         spec = _load_spec(spec_file)
     except Exception as exc:
@@ -215,7 +215,7 @@ def train_cmd(
 
 def _report_error(progress_jsonl: str | None, exc: BaseException) -> None:
     if progress_jsonl == "-":
-        from peagle.train.progress import JsonlSink
+        from peagle.progress import JsonlSink
 
         code, _ = _exit_code_for(exc)
         JsonlSink(sys.stdout).event("error", code=code, message=str(exc).split("\n")[0])

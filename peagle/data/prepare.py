@@ -40,6 +40,7 @@ from peagle.data.vocab import (
 )
 from peagle.errors import DataInvalidError
 from peagle.fileio import atomic_path
+from peagle.progress import ProgressSink
 from peagle.spec import TrainSpec
 from peagle.spec.funnel import (
     DROPPED,
@@ -152,12 +153,12 @@ def regeneration_plan(spec: TrainSpec, tokenizer: Any, run_dir: str | Path, *, m
     return RegenPlan(settings, identity, group_key(identity, settings.key_fields()), open_backend)
 
 
-def _emit(sink: Any, kind: str, **fields: Any) -> None:
+def _emit(sink: ProgressSink | None, kind: str, **fields: Any) -> None:
     if sink is not None:
         sink.event(kind, **fields)
 
 
-def _log(sink: Any, msg: str) -> None:
+def _log(sink: ProgressSink | None, msg: str) -> None:
     if sink is not None:
         sink.log("info", msg)
 
@@ -191,7 +192,7 @@ def prepare_data(
     *,
     target_vocab_size: int,
     dataset_root: Path | None = None,
-    sink: Any = None,
+    sink: ProgressSink | None = None,
     model: Any = None,
     regen_engine: Any = None,
     workers: int | None = None,
@@ -353,7 +354,7 @@ def prepare_data(
     return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
 
 
-def _regenerate(plan: RegenPlan, tokenizer: Any, chat: list[int], convs: list[Any], sink: Any
+def _regenerate(plan: RegenPlan, tokenizer: Any, chat: list[int], convs: list[Any], sink: ProgressSink | None
                 ) -> tuple[dict[int, str], dict[str, Any], list[int], list[Any]]:
     """Run the regeneration: (row index -> drop reason, its report, kept row indices, their conversations)."""
     s = plan.settings

@@ -48,6 +48,7 @@ from peagle.data.regenerate_cache import RegenCache, conversation_key, group_key
 from peagle.data.regenerate_engines import TurnRequest, TurnResult
 from peagle.data.template import render
 from peagle.engine.aio import run_sync
+from peagle.progress import ProgressSink, format_duration
 from peagle.spec.funnel import NO_ASSISTANT_TURN, REGEN_ANSWER_CUT, TOO_LONG
 from peagle.spec.metrics import (
     REGEN_CONVERSATIONS,
@@ -204,7 +205,7 @@ class RegenResult:
 class _Progress:
     """Rate-limited progress records: done/total conversations, generated tokens/s, ETA."""
 
-    def __init__(self, sink: Any, total: int, done: int, every_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, sink: ProgressSink | None, total: int, done: int, every_s: float, clock: Callable[[], float]) -> None:
         self.sink, self.total, self.done, self.every_s, self.clock = sink, total, done, every_s, clock
         self.generated = 0
         self.tokens = 0
@@ -227,8 +228,6 @@ class _Progress:
         return self.tokens / (now - self.t0) if self.t0 is not None and now > self.t0 else 0.0
 
     def emit(self, now: float) -> None:
-        from peagle.train.heartbeat import format_duration
-
         if self.sink is None:
             return
         elapsed = now - (self.t0 if self.t0 is not None else now)
@@ -289,7 +288,7 @@ def regenerate_conversations(
     identity: dict[str, Any],
     open_backend: Callable[[], contextlib.AbstractContextManager[Any]],
     cache_dir: Any = None,
-    sink: Any = None,
+    sink: ProgressSink | None = None,
     clock: Callable[[], float] = time.monotonic,
     progress_every_s: float = PROGRESS_EVERY_S,
 ) -> RegenResult:

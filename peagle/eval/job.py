@@ -32,9 +32,9 @@ from typing import Any
 from peagle.data.prompts import PromptSources, prompt_ids
 from peagle.errors import CheckpointError, ResourceError
 from peagle.fileio import atomic_write_json, publish_dir
+from peagle.progress import ProgressSink
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
-from peagle.train.progress import ProgressSink
 
 __all__ = ["al_hook", "al_text", "best_checkpoint", "eos_ids", "evaluate_export", "evaluate_run",
            "evaluation_summary", "publish_export", "resolved_eval", "serve_check"]

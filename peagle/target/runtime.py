@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from peagle.errors import EngineError, TargetLoadError
+from peagle.progress import ProgressSink
 
 __all__ = ["ENGINE_DONE", "TargetRuntime", "feature_sources", "load_target_runtime"]
 
@@ -147,7 +148,7 @@ def wait_for_rank0(data_dir: Path, *, timeout_s: float = 7 * 24 * 3600.0) -> Non
 
 @contextlib.contextmanager
 def feature_sources(
-    target: TargetRuntime, resolved: Any, prepared: Any, run: Path, *, vocab: Any, aux_ids: list[int], sink: Any
+    target: TargetRuntime, resolved: Any, prepared: Any, run: Path, *, vocab: Any, aux_ids: list[int], sink: ProgressSink
 ) -> Iterator[tuple[Any, Any]]:
     """(train source, eval source or None) for the trainer; the engine (if any) runs for as long as the
     sources need it and is stopped when the block exits (normally, by an error or by SIGTERM)."""

@@ -34,6 +34,7 @@ from torch import Tensor
 from peagle.data.packing import PackedRows, shift_features
 from peagle.errors import DataInvalidError
 from peagle.fileio import atomic_path, atomic_write_json
+from peagle.progress import ProgressSink
 from peagle.target.capture import TargetCapture
 
 __all__ = [
@@ -121,7 +122,7 @@ def write_feature_shards(
     rows_per_shard: int = 64,
     batch_size: int = 4,
     aux_dtype: torch.dtype = torch.bfloat16,
-    sink: Any = None,
+    sink: ProgressSink | None = None,
 ) -> dict[str, Any]:
     """Capture features of every row into safetensors shards; resumable, never rewrites finished shards.
 
@@ -251,7 +252,7 @@ def build_batch_source(
     run_dir: str | Path,
     *,
     name: str = "train",
-    sink: Any = None,
+    sink: ProgressSink | None = None,
 ) -> OnlineFeatureSource | OfflineFeatureSource:
     """The batch source of `spec.resources.capture` (offline shards in ``RUN/data/features/<name>``)."""
     mbs, seed = spec.optim.micro_batch_size, spec.optim.seed

@@ -28,6 +28,7 @@ from peagle.data.packing import next_in_document
 from peagle.errors import TrainingInterrupted
 from peagle.model.attention import select_attention
 from peagle.model.draft import PEagleDraft
+from peagle.progress import NullSink, ProgressSink
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import TOKENS_PER_S, eval_key
 from peagle.train.batch import BatchSource, select_rows
@@ -46,7 +47,6 @@ from peagle.train.optim import (
     total_steps,
     update_ema,
 )
-from peagle.train.progress import NullSink, ProgressSink
 from peagle.train.signals import GracefulShutdown
 from peagle.train.step import (
     EVAL_EPOCH,

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from peagle.progress import RecordingSink
 from peagle.spec import parse_spec
-from peagle.train.progress import RecordingSink
 from tests.cli.conftest import smollm2_and_draft
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from peagle.progress import RecordingSink
 from peagle.spec import preset
-from peagle.train.progress import RecordingSink
 from worker.progress import ProgressCollector
 
 

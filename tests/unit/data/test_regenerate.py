@@ -322,7 +322,7 @@ def test_progress_is_rate_limited_and_says_done_total_rate_eta(smollm2_tokenizer
     assert "eta" in lines[0] and "eta" not in lines[-1]
 
     # the job log's step lines ignore them (training keeps its own ETA origin)
-    from peagle.train.heartbeat import ProgressLog
+    from peagle.progress import ProgressLog
 
     rec = Sink()
     log = ProgressLog(rec)  # type: ignore[arg-type]

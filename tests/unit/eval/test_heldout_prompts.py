@@ -12,8 +12,8 @@ from peagle.data.packing import document_prompts, pack_documents
 from peagle.data.template import tokenize_many
 from peagle.errors import DataInvalidError, SpecInvalidError
 from peagle.eval.reference import tokenize_prompts
+from peagle.progress import RecordingSink
 from peagle.spec import BUILTIN_PROMPT_SETS, parse_spec, preset
-from peagle.train.progress import RecordingSink
 
 
 def test_a_held_out_prompt_is_the_conversation_up_to_its_answer_as_a_server_is_sent_it(smollm2_tokenizer) -> None:

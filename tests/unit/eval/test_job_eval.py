@@ -51,8 +51,8 @@ def test_a_failed_speedup_does_not_cost_the_al(tmp_path, smollm2_tokenizer, monk
 
     from peagle.errors import ResourceError
     from peagle.eval.job import evaluate_export
+    from peagle.progress import RecordingSink
     from peagle.spec import parse_spec
-    from peagle.train.progress import RecordingSink
 
     spec = parse_spec({"target": {"model": "builtin:smollm2-135m-instruct"},
                        "data": {"sources": [{"path": "builtin:sharegpt"}]}, "peagle": {"num_depths": 2},

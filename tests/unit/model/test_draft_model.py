@@ -428,9 +428,9 @@ def test_a_run_with_feature_mean_starts_mask_hidden_at_its_own_features(tmp_path
 
     from peagle.model.initialization import feature_mean
     from peagle.pipeline import MASK_HIDDEN_BATCHES, run_pipeline
+    from peagle.progress import RecordingSink
     from peagle.spec import parse_spec, preset
     from peagle.target.sources import OfflineFeatureSource
-    from peagle.train.progress import RecordingSink
 
     data = preset("tiny").model_dump(mode="json")
     data["resources"]["capture"] = "offline"
@@ -459,8 +459,8 @@ def test_a_resumed_feature_mean_run_reads_no_batch_for_mask_hidden(tmp_path, tin
     import peagle.model.initialization as init_mod
     import peagle.train.checkpoint as ckpt_mod
     from peagle.pipeline import run_pipeline
+    from peagle.progress import RecordingSink
     from peagle.spec import parse_spec, preset
-    from peagle.train.progress import RecordingSink
 
     data = preset("tiny").model_dump(mode="json")
     data["resources"]["capture"] = "offline"

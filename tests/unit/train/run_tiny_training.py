@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_helpers import tiny_draft, tiny_source, tiny_spec
 
 from peagle.errors import EXIT_CODES, TrainingInterrupted
+from peagle.progress import JsonlSink
 from peagle.train.ddp import init_distributed, shutdown_distributed
 from peagle.train.loop import Trainer
-from peagle.train.progress import JsonlSink
 
 
 class SlowSource:

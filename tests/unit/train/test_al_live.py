@@ -11,8 +11,8 @@ import pytest
 
 from peagle.errors import DataInvalidError
 from peagle.pipeline import run_pipeline
+from peagle.progress import RecordingSink
 from peagle.spec import TrainSpec, parse_spec, preset
-from peagle.train.progress import RecordingSink
 
 
 def _tiny(**eval_: Any) -> TrainSpec:

@@ -12,6 +12,7 @@ import torch
 from train_helpers import tiny_spec
 
 from peagle.errors import CheckpointError
+from peagle.progress import JsonlSink, MultiSink, NullSink, RecordingSink
 from peagle.train.checkpoint import (
     find_resumable,
     load_training_state,
@@ -20,7 +21,6 @@ from peagle.train.checkpoint import (
     verify_checkpoint,
 )
 from peagle.train.optim import LRSchedule, total_steps
-from peagle.train.progress import JsonlSink, MultiSink, NullSink, RecordingSink
 
 
 def _save(root: Path, step: int, tau: float, **kw: object) -> Path:

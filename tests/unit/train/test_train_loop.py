@@ -18,10 +18,10 @@ import torch
 from train_helpers import tiny_draft, tiny_source, tiny_spec
 
 from peagle.data.packing import next_in_document
+from peagle.progress import RecordingSink
 from peagle.train.checkpoint import load_training_state, read_state
 from peagle.train.loop import Trainer
 from peagle.train.optim import ema_beta
-from peagle.train.progress import RecordingSink
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "run_tiny_training.py"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from peagle.train.heartbeat import LOG_EVERY_S, ProgressLog, format_duration
-from peagle.train.progress import RecordingSink
+from peagle.progress import LOG_EVERY_S, ProgressLog, RecordingSink, format_duration
 
 
 class Clock:
