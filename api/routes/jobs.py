@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import re
-import uuid
 from typing import Annotated, Any
 
 import sqlalchemy as sa
@@ -35,9 +34,8 @@ from api.schemas import (
 )
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec, preset, preset_names
 from service.channels import live_channel, wake_payload
-from service.db import aio, repo, states
-from service.db.events import event_row, insert_events
-from service.db.models import Job, new_id, utcnow
+from service.db import aio, jobs, repo, states
+from service.db.models import Job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 log = logging.getLogger("peagle.api")
@@ -80,18 +78,17 @@ def _body_hash(body: JobCreate) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _check_quota(state: AppState, session: Session, owner_id: int) -> None:
-    s = state.settings
-    counts = repo.owner_counts(session, owner_id, cap=s.max_queued_jobs + s.max_concurrent_jobs)
-    queued = counts.get(states.QUEUED, 0)
-    if queued >= s.max_queued_jobs:
-        raise ApiError(429, "quota_exceeded", f"{queued} jobs already queued (limit {s.max_queued_jobs})",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
-    unfinished = sum(counts.values())
-    limit = s.max_queued_jobs + s.max_concurrent_jobs
-    if unfinished >= limit:
-        raise ApiError(429, "quota_exceeded", f"{unfinished} unfinished jobs (limit {limit} = "
-                       f"max_concurrent_jobs + max_queued_jobs)", headers={"Retry-After": str(RETRY_AFTER_S)})
+def _quota(state: AppState) -> jobs.Quota:
+    return jobs.Quota(max_queued=state.settings.max_queued_jobs, max_concurrent=state.settings.max_concurrent_jobs)
+
+
+def _quota_error(exc: jobs.QuotaExceeded) -> ApiError:
+    return ApiError(429, "quota_exceeded", str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _queue_error(exc: jobs.QueueUnavailable) -> ApiError:
+    # A generic reason only: the broker's address and error are in the server log (service.db.jobs).
+    return ApiError(503, "queue_unavailable", f"{exc}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec, *, dry_run: bool = False
@@ -106,47 +103,17 @@ def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec
 
 def submit(state: AppState, session: Session, principal: repo.Principal, spec: TrainSpec, *, name: str | None,
            tags: list[str] | None, queue: str | None, idem: tuple[str, str] | None = None) -> Job:
-    """Insert a queued job, commit, and hand it to the worker queue."""
-    _check_quota(state, session, principal.owner_id)
-    now = utcnow()
-    # Every column is set here (id, seqs, task id), so the row, its first event and the stored idempotent
-    # answer are two plain INSERTs (Core: no unit-of-work bookkeeping, no UPDATE round trips).
-    values: dict[str, Any] = dict(
-        id=new_id("job"), owner_id=principal.owner_id, name=(name or spec.name or "").replace("\x00", "")[:200],
-        tags=tags or list(spec.tags),
-        spec=spec.model_dump(mode="json"), status=states.QUEUED, phase=None, desired_state=None, progress={},
-        attempt=0, max_restarts=spec.resources.max_restarts, queue=queue or state.settings.worker_queue,
-        created_at=now, queued_at=now, updated_at=now, started_at=None, finished_at=None,
-        error_code=None, error_message=None, error_retryable=None, resolved_spec=None, provenance=None,
-        best_checkpoint_step=None, latest_checkpoint_step=None, event_seq=1, metric_seq=0, log_seq=0,
-        webhook_seq=0, celery_task_id=str(uuid.uuid4()),  # chosen before sending: one commit, then the broker
-        idempotency_key=idem[0] if idem else None, body_hash=idem[1] if idem else None,
-        idempotency_response=None,
-    )
-    if idem:
-        values["idempotency_response"] = jsonable(job_public(values))
-    session.execute(sa.insert(Job), [values])
-    insert_events(session, [event_row(values["id"], 1, attempt=0, kind="state", message="job queued",
-                                      data={"status": states.QUEUED}, time=now)])
-    session.commit()
-    job = Job(**values)  # transient: what the caller answers with
+    """`service.db.jobs.create_job` for the caller, under the owner's quota; 429 or 503 as `ApiError`."""
     try:
-        state.producer.send_train(job.id, job.queue, job.celery_task_id)
-    except Exception as exc:
-        log.exception("queueing %s failed", job.id)
-        # The key is released (not bound to a job that never got queued): a retry with it creates and
-        # queues the job once the broker is back.
-        failed = {"status": states.FAILED, "error_code": "queue_unavailable", "error_message": str(exc),
-                  "finished_at": utcnow(), "idempotency_response": None, "idempotency_key": None,
-                  "body_hash": None}
-        failed["updated_at"] = failed["finished_at"]
-        session.execute(sa.update(Job).where(Job.id == job.id).values(**failed))
-        session.commit()
-        for k, v in failed.items():
-            setattr(job, k, v)
-        raise ApiError(503, "queue_unavailable", f"could not queue the job: {exc}",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    return job
+        return jobs.create_job(
+            session, owner_id=principal.owner_id, spec=spec.model_dump(mode="json"), name=name or spec.name or "",
+            tags=tags or list(spec.tags), queue=queue or state.settings.worker_queue,
+            max_restarts=spec.resources.max_restarts, send=state.producer.send_train, quota=_quota(state),
+            idempotency=idem, answer=lambda values: jsonable(job_public(values)))
+    except jobs.QuotaExceeded as exc:
+        raise _quota_error(exc) from None
+    except jobs.QueueUnavailable as exc:
+        raise _queue_error(exc) from None
 
 
 @router.post(
@@ -286,32 +253,18 @@ def get_job(job_id: str, session: ReadDB, principal: Reader) -> Any:
 
 
 def _act(state: AppState, session: Session, principal: repo.Principal, job_id: str, action: str) -> Any:
-    job = load_job(session, principal, job_id, lock=True)
-    current = job.status
-    target = states.action_target(action, current)
-    if target != current:
-        if action == "resume":
-            _check_quota(state, session, principal.owner_id)
-        now = utcnow()
-        job.status = target
-        job.updated_at = now
-        if target in (states.PAUSING, states.CANCELLING):
-            job.desired_state = states.PAUSED if target == states.PAUSING else states.CANCELLED
-        elif target == states.QUEUED:
-            job.desired_state, job.queued_at = None, now
-        else:
-            job.desired_state = None
-        if target in states.TERMINAL:
-            job.finished_at = now
-        repo.add_job_event(session, job, "state", f"{action} requested: {current} -> {target}",
-                           data={"status": target, "previous": current, "action": action})
-        session.commit()
-        if target == states.QUEUED:
-            job.celery_task_id = state.producer.send_train(job.id, job.queue)
-            session.commit()
-        publish(state, job)
-    else:
-        session.commit()
+    if not _ID.fullmatch(job_id):
+        raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
+    try:
+        job = jobs.apply_action(session, owner_id=principal.owner_id, job_id=job_id, action=action,
+                                send=state.producer.send_train, quota=_quota(state))
+    except jobs.QuotaExceeded as exc:
+        raise _quota_error(exc) from None
+    except jobs.QueueUnavailable as exc:
+        raise _queue_error(exc) from None
+    if job is None:
+        raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
+    publish(state, job)
     return job_public(job)
 
 
