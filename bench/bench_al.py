@@ -83,8 +83,9 @@ def untrained_export(run: Path, out: Path, layer_init: str = "random") -> Path:
 
     from peagle.data.vocab import load_vocab
     from peagle.export.writer import export_draft
-    from peagle.pipeline import build_initial_draft, load_target, verifier_name
+    from peagle.pipeline import build_initial_draft, verifier_name
     from peagle.spec import parse_spec
+    from peagle.target.loader import load_target
 
     spec = parse_spec(json.loads((run / "resolved_spec.json").read_text()))
     spec.draft.layer_init = layer_init  # type: ignore[assignment]

@@ -64,9 +64,10 @@ def main() -> int:
     from peagle.data.vocab import load_vocab
     from peagle.export.writer import export_draft, layer_config_from_draft
     from peagle.model.draft import PEagleDraft
-    from peagle.pipeline import build_initial_draft, load_target, verifier_name
+    from peagle.pipeline import build_initial_draft, verifier_name
     from peagle.spec import parse_spec
     from peagle.target.capture import TargetCapture
+    from peagle.target.loader import load_target
     from peagle.target.sources import OfflineFeatureSource, build_batch_source
     from peagle.train.optim import build_optimizer, build_scheduler, total_steps
 

@@ -40,7 +40,7 @@ from peagle.progress import ProgressLog, ProgressSink
 from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.targets import portable_verifier
 
-__all__ = ["PipelineResult", "build_initial_draft", "load_target", "resolve_dtype", "run_pipeline", "verifier_name"]
+__all__ = ["PipelineResult", "build_initial_draft", "run_pipeline", "verifier_name"]
 
 
 @dataclass
@@ -52,39 +52,6 @@ class PipelineResult:
     best_checkpoint: str | None = None
     eval: dict[str, Any] = field(default_factory=dict)
     serve_check: dict[str, Any] | None = None
-
-
-def resolve_dtype(spec: TrainSpec, device: torch.device) -> torch.dtype:
-    """`target.dtype` as `TrainSpec.resolve` decides it (auto = bf16 on CUDA, fp32 on CPU)."""
-    name = spec.resolve(cuda_available=device.type == "cuda").target.dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def load_target(spec: TrainSpec, device: torch.device) -> tuple[Any, Any, Path | str]:
-    """Load (model, tokenizer, resolved path) of the spec's target, eval mode on `device`.
-
-    Raises:
-        TargetLoadError: unknown builtin, missing folder, or transformers cannot load it (one line).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from peagle.builtin import resolve_target
-
-    try:
-        path = resolve_target(spec.target.model)
-    except (ValueError, FileNotFoundError) as exc:
-        raise TargetLoadError(f"target.model: {exc}") from None
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), revision=spec.target.revision)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), revision=spec.target.revision, dtype=resolve_dtype(spec, device)
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TargetLoadError(f"target.model {spec.target.model!r} cannot be loaded: {first}") from None
-    model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorated `to`
-    model.requires_grad_(False)
-    return model, tok, path
 
 
 def verifier_name(spec: TrainSpec, resolved: Path | str) -> str:

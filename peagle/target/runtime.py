@@ -34,12 +34,12 @@ import torch
 
 from peagle.errors import EngineError, TargetLoadError
 from peagle.progress import ProgressSink
+from peagle.target.loader import TORCH_DTYPES, load_target
 
 __all__ = ["ENGINE_DONE", "TargetRuntime", "feature_sources", "load_target_runtime"]
 
 #: Marker rank 0 writes into RUN/data once the engine phases (regeneration, capture) are done.
 ENGINE_DONE = ".engine-done"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -107,14 +107,12 @@ def load_target_runtime(resolved: Any, device: torch.device) -> TargetRuntime:
     from peagle.builtin import resolve_target
 
     engine = resolved.resources.target_engine
-    dtype = _DTYPES[resolved.target.dtype]
+    dtype = TORCH_DTYPES[resolved.target.dtype]
     try:
         path = resolve_target(resolved.target.model)
     except (ValueError, FileNotFoundError) as exc:
         raise TargetLoadError(f"target.model: {exc}") from None
     if engine == "hf":
-        from peagle.pipeline import load_target
-
         model, tok, path = load_target(resolved, device)
         return TargetRuntime("hf", path, tok, model, model, model.config, dtype)
     from peagle.engine.locate import vllm_python

@@ -47,8 +47,8 @@ def test_callers_use_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from api.estimate import estimate
-    from peagle.pipeline import resolve_dtype
     from peagle.spec.schema import TrainSpec
+    from peagle.target.loader import resolve_dtype
     from peagle.train.loop import resolve_device
 
     calls = []
