@@ -105,13 +105,8 @@ def measure(tok: Any, target: Any, draft: Any, prompt_set: str, num_prompts: int
     (`peagle.eval.reference.summarize`), over every draft."""
     import torch
 
-    from peagle.eval.reference import (
-        CachedDraftProposer,
-        load_prompts,
-        speculative_decode,
-        summarize,
-        tokenize_prompts,
-    )
+    from peagle.data.prompts import load_prompts, tokenize_prompts
+    from peagle.eval.reference import CachedDraftProposer, speculative_decode, summarize
 
     aux_ids = draft.config.aux_layer_ids
     vd = draft.lm_head.weight.shape[0]

@@ -49,7 +49,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from peagle.eval.reference import load_prompts, tokenize_prompts
+    from peagle.data.prompts import load_prompts, tokenize_prompts
     from peagle.eval.serve_check import measure_vllm, vllm_python
     from peagle.eval.speedup import SpeedupPlan, plan_speedup, speedup_text
     from peagle.export.writer import num_speculative_tokens_of, read_export_config

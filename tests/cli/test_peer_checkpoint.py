@@ -90,7 +90,7 @@ def test_peagle_validate_accepts_a_speculators_checkpoint(peer_checkpoint: Path)
 
 @pytest.mark.slow
 def test_vllm_loads_a_speculators_checkpoint(peer_checkpoint: Path, smollm2_tokenizer, monkeypatch) -> None:
-    from peagle.eval.reference import tokenize_prompts
+    from peagle.data.prompts import tokenize_prompts
     from peagle.eval.serve_check import run_vllm_probe, vllm_python
 
     assert vllm_python() is not None, "vLLM venv missing: run `make vllm-env`"

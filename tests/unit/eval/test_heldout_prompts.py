@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from peagle.data.packing import document_prompts, pack_documents
+from peagle.data.prompts import tokenize_prompts
 from peagle.data.template import tokenize_many
 from peagle.errors import DataInvalidError, SpecInvalidError
-from peagle.eval.reference import tokenize_prompts
 from peagle.progress import RecordingSink
 from peagle.spec import BUILTIN_PROMPT_SETS, parse_spec, preset
 
@@ -43,7 +43,8 @@ def test_heldout_needs_held_out_conversations() -> None:
 
 
 def test_a_job_measures_al_on_its_own_held_out_conversations(tmp_path: Path, tiny_target_path: Path) -> None:
-    from peagle.eval.export_eval import run_eval, run_heldout_prompts
+    from peagle.data.prompts import run_heldout_prompts
+    from peagle.eval.export_eval import run_eval
     from peagle.pipeline import run_pipeline
 
     data = preset("tiny").model_dump(mode="json")

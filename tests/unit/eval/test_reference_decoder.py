@@ -7,16 +7,15 @@ import json
 import pytest
 import torch
 
+from peagle.data.prompts import load_prompts, tokenize_prompts
 from peagle.errors import DataInvalidError
 from peagle.eval.reference import (
     DecodeResult,
     DraftProposer,
     evaluate_prompts,
     greedy_decode,
-    load_prompts,
     speculative_decode,
     summarize,
-    tokenize_prompts,
 )
 
 V, H, N = 256, 64, 4
