@@ -24,10 +24,8 @@ The worker maps the library's codes (and the trainer's exit codes, `EXIT_CODES`)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from peagle.spec.schema import SpecProblem
+from collections.abc import Sequence
+from typing import Protocol
 
 __all__ = [
     "EXIT_CODES",
@@ -49,13 +47,27 @@ class PeagleError(Exception):
     code = "peagle_error"
 
 
+class SpecProblemLike(Protocol):
+    """What `SpecInvalidError` needs of one problem (`peagle.spec.SpecProblem`; this module stands below
+    the spec, so it names the shape, not the class)."""
+
+    @property
+    def loc(self) -> tuple[str | int, ...]: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
+
+
 class SpecInvalidError(PeagleError, ValueError):
     """The spec has one or more problems; `.problems` lists all of them (each with its field path)."""
 
     code = "spec_invalid"
 
-    def __init__(self, problems: list[SpecProblem]) -> None:
-        self.problems = problems
+    def __init__(self, problems: Sequence[SpecProblemLike]) -> None:
+        self.problems = list(problems)
         listed = "; ".join(f"{p.path or '(root)'}: {p.message}" for p in problems)
         n = len(problems)
         super().__init__(f"{n} problem{'s' if n != 1 else ''} in the job spec: {listed}")
