@@ -5,7 +5,7 @@ One pydantic model, `TrainSpec`, is the CLI input (`peagle train spec.yaml`), th
 import it without pulling in the ML stack.
 
 Validation lists every problem at once. Field-level problems come from pydantic; cross-field problems
-(e.g. ``down_sample_ratio_min <= down_sample_ratio``) are collected by `cross_field_problems` and
+(e.g. ``down_sample_ratio_min <= down_sample_ratio``) are collected by `peagle.spec.checks` and
 reported with the exact field path. `parse_spec` turns both into a flat list of `SpecProblem`:
 
     >>> parse_spec({"target": {"model": "x"}, "peagle": {"num_depths": 0}})
@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from peagle.errors import SpecInvalidError
-from peagle.spec.targets import NOT_FOR_VLLM
 from peagle.spec.text import unstorable_problem
 
 SPEC_VERSION = 1
@@ -67,7 +66,6 @@ __all__ = [
     "TargetSpec",
     "TrainSpec",
     "VllmSpec",
-    "cross_field_problems",
     "dataset_id",
     "dataset_ref",
     "load_spec_file",
@@ -378,10 +376,10 @@ class EvalSpec(_Strict):
     speedup: bool = Field(
         default=True,
         description="After training, when vLLM evaluates (eval.engine vllm, or the serve check): time the "
-        "verifier alone against the verifier with the draft in vLLM, interleaved, at batch 1, at a batch of "
-        "all `speedup_num_prompts` prompts and at `speedup_batch_sizes`, for K = 1..eval.num_speculative_tokens "
-        "(`speedup_sweep`); stored on the best checkpoint with the hardware, and the best K per batch size "
-        "recommended. Costs one vLLM engine start per K plus the timed generation.",
+        "verifier alone and with the draft, interleaved, at batch 1, `speedup_num_prompts` and "
+        "`speedup_batch_sizes`, for K = 1..eval.num_speculative_tokens "
+        "(`speedup_sweep`); stored on the best checkpoint with the hardware and the best K per batch size. "
+        "One engine start per K.",
     )
     speedup_num_prompts: int = Field(
         default=8, ge=1, le=1024,
@@ -506,6 +504,8 @@ class TrainSpec(_Strict):
 
     @model_validator(mode="after")
     def _cross_fields(self) -> TrainSpec:
+        from peagle.spec.checks import cross_field_problems
+
         problems = cross_field_problems(self)
         if problems:
             raise PydanticCustomError(
@@ -537,7 +537,7 @@ class TrainSpec(_Strict):
 
 
 # --------------------------------------------------------------------------------------------------
-# Cross-field checks
+# Problems (the cross-field checks themselves are `peagle.spec.checks`)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -558,153 +558,6 @@ class SpecProblem(BaseModel):
     def pointer(self) -> str:
         """JSON pointer, e.g. `/peagle/num_depths`."""
         return "/" + "/".join(str(x).replace("~", "~0").replace("/", "~1") for x in self.loc)
-
-
-def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
-    """Every cross-field rule, each reported at the field it concerns."""
-    out: list[SpecProblem] = []
-
-    def bad(loc: tuple[str | int, ...], msg: str) -> None:
-        out.append(SpecProblem(loc=loc, message=msg))
-
-    p = spec.peagle
-    if p.down_sample_ratio_min > p.down_sample_ratio:
-        bad(
-            ("peagle", "down_sample_ratio_min"),
-            f"must be <= peagle.down_sample_ratio ({p.down_sample_ratio}), got {p.down_sample_ratio_min}",
-        )
-    ids = spec.draft.aux_layer_ids
-    if ids != "auto":
-        if len(ids) != 3:
-            bad(("draft", "aux_layer_ids"), f"must list exactly 3 layer ids (or be 'auto'), got {len(ids)}")
-        if len(set(ids)) != len(ids):
-            bad(("draft", "aux_layer_ids"), f"layer ids must be distinct, got {ids}")
-        if any(i < 0 for i in ids):
-            bad(("draft", "aux_layer_ids"), f"layer ids must be >= 0, got {ids}")
-    if spec.draft.mask_token_id != "auto" and spec.draft.mask_token_id < 0:
-        bad(("draft", "mask_token_id"), f"must be >= 0 or 'auto', got {spec.draft.mask_token_id}")
-    o = spec.optim
-    for i, b in enumerate(o.betas):
-        if not 0.0 <= b < 1.0:
-            bad(("optim", "betas", i), f"must be in [0, 1), got {b}")
-    if spec.data.max_length > o.pack_length:
-        bad(
-            ("optim", "pack_length"),
-            f"must be >= data.max_length ({spec.data.max_length}) so one conversation fits a row, "
-            f"got {o.pack_length}",
-        )
-    k_eval = spec.eval.num_speculative_tokens
-    if k_eval is not None and k_eval > p.num_depths:
-        bad(
-            ("eval", "num_speculative_tokens"),
-            f"must be <= peagle.num_depths ({p.num_depths}): deeper positions are untrained, got {k_eval}",
-        )
-    if p.sequence_partitions > o.pack_length:
-        bad(("peagle", "sequence_partitions"), f"must be <= optim.pack_length ({o.pack_length})")
-    r = spec.resources
-    if r.device == "cpu" and r.gpus > 0:
-        bad(("resources", "gpus"), "must be 0 when resources.device is 'cpu'")
-    if r.device == "cuda" and r.gpus == 0:
-        bad(("resources", "gpus"), "must be >= 1 when resources.device is 'cuda'")
-    if r.attention == "flex" and r.device == "cpu":
-        bad(("resources", "attention"), "flex attention has no backward on CPU: use 'sdpa' or 'auto'")
-    if r.precision == "bf16" and r.device == "cpu":
-        bad(("resources", "precision"), "bf16 autocast is for CUDA; use 'fp32' or 'auto' on CPU")
-    out.extend(_engine_problems(spec))
-    if spec.checkpoints.select_best_by == "acceptance_length" and not spec.eval.prompt_sets:
-        bad(
-            ("checkpoints", "select_best_by"),
-            "'acceptance_length' needs at least one eval.prompt_sets entry to measure it",
-        )
-    if spec.checkpoints.select_best_by == "tau_sim" and spec.data.eval_samples == 0:
-        # tau_sim falls back to the training batch's running per-depth accuracy; allowed but noted.
-        pass
-    if spec.eval.al_every_steps is not None and not spec.eval.prompt_sets:
-        bad(("eval", "al_every_steps"), "needs at least one eval.prompt_sets entry to measure AL on")
-    names = [s.name for s in spec.eval.prompt_sets]
-    if len(set(names)) != len(names):
-        bad(("eval", "prompt_sets"), f"prompt set names must be distinct, got {names}")
-    for i, name in enumerate(names):
-        if name == HELDOUT_PROMPT_SET and spec.data.eval_samples == 0:
-            bad(("eval", "prompt_sets", i, "name"),
-                "'heldout' measures AL on the job's held-out conversations: set data.eval_samples >= 1")
-    return out
-
-
-def _engine_problems(spec: TrainSpec) -> list[SpecProblem]:
-    """Rules of the target engine and its placement (`resources.target_engine`, `resources.vllm`, GPUs)."""
-    out: list[SpecProblem] = []
-    r, v = spec.resources, spec.resources.vllm
-
-    def bad(loc: tuple[str | int, ...], msg: str) -> None:
-        out.append(SpecProblem(loc=loc, message=msg))
-
-    args = v.extra_args
-    i = 0
-    while i < len(args):
-        flag, _, inline = args[i].partition("=")
-        kind = VLLM_EXTRA_FLAGS.get(flag, "unknown")
-        if kind == "unknown":
-            bad(("resources", "vllm", "extra_args", i),
-                f"{flag!r} is not an allowed vllm serve flag (allowed: {', '.join(sorted(VLLM_EXTRA_FLAGS))})")
-            i += 1
-            continue
-        if kind is None:
-            if inline:
-                bad(("resources", "vllm", "extra_args", i), f"{flag} is a switch and takes no value")
-            i += 1
-            continue
-        value = inline if inline else (args[i + 1] if i + 1 < len(args) else None)
-        if value is None:
-            bad(("resources", "vllm", "extra_args", i), f"{flag} needs a value")
-        elif not _flag_value_ok(kind, value):
-            bad(("resources", "vllm", "extra_args", i if inline else i + 1),
-                f"{flag} takes {'an integer' if kind == 'int' else 'a number' if kind == 'float' else 'a word'}, "
-                f"got {value!r}")
-        i += 1 if inline else 2
-    if r.target_engine == "vllm" and spec.target.model in NOT_FOR_VLLM:
-        bad(("resources", "target_engine"), f"'vllm' cannot run {spec.target.model}: {NOT_FOR_VLLM[spec.target.model]}")
-    if r.target_engine == "vllm" and spec.eval.engine == "reference":
-        bad(("eval", "engine"), "'reference' runs the target in the trainer process, which resources.target_engine "
-                                "'vllm' never does: use 'vllm' or 'auto' (AL measured by vLLM itself)")
-    if r.target_engine == "hf" and spec.data.regenerate.engine == "vllm":
-        bad(("data", "regenerate", "engine"), "'vllm' needs resources.target_engine 'vllm' or 'auto'")
-    if r.gpus == 0:
-        for name in ("capture_gpus", "train_gpus"):
-            if getattr(r, name):
-                bad(("resources", name), "must be 0 or unset when resources.gpus is 0 (CPU job)")
-        if v.tensor_parallel_size > 1 or v.data_parallel_size > 1:
-            bad(("resources", "vllm", "tensor_parallel_size" if v.tensor_parallel_size > 1 else "data_parallel_size"),
-                "must be 1 on a CPU job (resources.gpus 0)")
-        return out
-    cap, tr = r.capture_gpus, r.train_gpus
-    if cap is not None and tr is not None and cap + tr != r.gpus:
-        bad(("resources", "train_gpus"),
-            f"resources.capture_gpus ({cap}) + resources.train_gpus ({tr}) must equal resources.gpus ({r.gpus})")
-    if cap is not None and cap > r.gpus:
-        bad(("resources", "capture_gpus"), f"must be <= resources.gpus ({r.gpus}), got {cap}")
-    if tr is not None and tr > r.gpus:
-        bad(("resources", "train_gpus"), f"must be <= resources.gpus ({r.gpus}), got {tr}")
-    if tr == 0 and (cap is None or cap == r.gpus) and r.gpus > 0:
-        bad(("resources", "train_gpus"), "the trainer needs at least one GPU")
-    engine_gpus = v.tensor_parallel_size * v.data_parallel_size
-    if cap is not None and cap > 0 and engine_gpus != cap:
-        bad(("resources", "vllm", "tensor_parallel_size"),
-            f"tensor_parallel_size x data_parallel_size ({engine_gpus}) must equal resources.capture_gpus ({cap})")
-    if cap is None and engine_gpus > r.gpus:
-        bad(("resources", "vllm", "tensor_parallel_size"),
-            f"tensor_parallel_size x data_parallel_size ({engine_gpus}) must be <= resources.gpus ({r.gpus})")
-    return out
-
-
-def _flag_value_ok(kind: str, value: str) -> bool:
-    import re
-
-    if kind == "int":
-        return re.fullmatch(r"[0-9]{1,9}", value) is not None
-    if kind == "float":
-        return re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?", value) is not None
-    return re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", value) is not None
 
 
 # --------------------------------------------------------------------------------------------------

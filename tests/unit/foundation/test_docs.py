@@ -151,7 +151,7 @@ def _problems(path: Path, text: str) -> list[str]:
 
 
 def test_docs_folder_has_the_cited_documents() -> None:
-    for name in ("README", "decisions", "algorithm", "export", "service", "progress"):
+    for name in ("README", "decisions", "algorithm", "export", "service", "progress", "experiments"):
         assert (DOCS / f"{name}.md").is_file(), f"docs/{name}.md is missing"
     assert {str(n) for n in range(1, 13)} <= _decisions()
     assert {f"1.{n}" for n in range(1, 16)} <= _sections(DOCS / "algorithm.md")
@@ -176,3 +176,41 @@ def test_the_checker_catches_bad_references(tmp_path: Path) -> None:
                    "no_such_module.py", "no_such_name", "'decision 3'", "'section 1'"):
         assert needle in found, (needle, found)
     assert "2.1" not in found
+
+
+ANCHOR = re.compile(r'<a id="([\w-]+)"></a>')
+EXPERIMENT_LINK = re.compile(r"experiments\.md#([\w-]+)")
+
+
+def _experiment_links(text: str) -> list[str]:
+    return EXPERIMENT_LINK.findall(text)
+
+
+def test_every_experiment_link_resolves() -> None:
+    anchors = set(ANCHOR.findall(_text(DOCS / "experiments.md")))
+    for path in _files():
+        if path.suffix != ".md":
+            continue
+        for target in _experiment_links(_text(path)):
+            assert target in anchors, f"{path.relative_to(ROOT)}: experiments.md#{target} has no anchor"
+
+
+def test_every_experiment_is_linked_from_the_decision_it_decided() -> None:
+    """Experiment `eN` decided docs/decisions.md decision N, whose section links it."""
+    decisions = _text(DOCS / "decisions.md")
+    sections = dict(re.findall(r"(?ms)^## Decision (\d+)\b(.*?)(?=^## |\Z)", decisions))
+    anchors = ANCHOR.findall(_text(DOCS / "experiments.md"))
+    assert anchors
+    for anchor in anchors:
+        number = re.fullmatch(r"e(\d+)", anchor)
+        assert number, f"experiment anchor {anchor!r} is not e<decision number>"
+        assert number.group(1) in sections, f"{anchor}: no such decision"
+        assert f"experiments.md#{anchor}" in sections[number.group(1)], f"its decision does not link {anchor}"
+
+
+def test_docs_index_lists_every_document() -> None:
+    index = _text(DOCS / "README.md")
+    for doc in sorted(DOCS.glob("*.md")):
+        if doc.name != "README.md":
+            assert f"]({doc.name})" in index, f"docs/README.md does not index {doc.name}"
+    assert "](../bench/README.md)" in index, "docs/README.md does not index bench/README.md"
