@@ -4,6 +4,8 @@
 JSON column and the worker input. The API imports only this package (and `peagle.errors`) from `peagle`.
 """
 
+from peagle.spec.checks import cross_field_problems
+from peagle.spec.parse import load_spec_file, parse_spec
 from peagle.spec.phases import PHASES
 from peagle.spec.presets import preset, preset_names
 from peagle.spec.schema import (
@@ -27,11 +29,8 @@ from peagle.spec.schema import (
     SpecProblem,
     TargetSpec,
     TrainSpec,
-    cross_field_problems,
     dataset_id,
     dataset_ref,
-    load_spec_file,
-    parse_spec,
     spec_hash,
 )
 from peagle.spec.targets import BUILTIN_TARGET_HUB_IDS, portable_verifier

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from peagle.spec.schema import TrainSpec, parse_spec
+from peagle.spec.parse import parse_spec
+from peagle.spec.schema import TrainSpec
 
 __all__ = ["preset", "preset_names"]
 

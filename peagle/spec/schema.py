@@ -6,7 +6,7 @@ import it without pulling in the ML stack.
 
 Validation lists every problem at once. Field-level problems come from pydantic; cross-field problems
 (e.g. ``down_sample_ratio_min <= down_sample_ratio``) are collected by `peagle.spec.checks` and
-reported with the exact field path. `parse_spec` turns both into a flat list of `SpecProblem`:
+reported with the exact field path. `peagle.spec.parse.parse_spec` turns both into a flat list of `SpecProblem`:
 
     >>> parse_spec({"target": {"model": "x"}, "peagle": {"num_depths": 0}})
     Traceback (most recent call last):
@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from peagle.errors import SpecInvalidError
@@ -68,8 +67,6 @@ __all__ = [
     "VllmSpec",
     "dataset_id",
     "dataset_ref",
-    "load_spec_file",
-    "parse_spec",
     "spec_hash",
 ]
 
@@ -561,59 +558,8 @@ class SpecProblem(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------------
-# Parsing
+# Identity
 # --------------------------------------------------------------------------------------------------
-
-
-def _problems_from(exc: ValidationError) -> list[SpecProblem]:
-    problems: list[SpecProblem] = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        if err["type"] == "spec_cross_field":
-            for p in err.get("ctx", {}).get("problems", []):
-                problems.append(SpecProblem(loc=loc + tuple(p["loc"]), message=p["message"]))
-            continue
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field (not part of the job spec)"
-        elif err["type"] == "missing":
-            msg = "required field is missing"
-        elif err["type"] == "string_unicode":
-            msg = "must be valid UTF-8 text: no lone surrogate (\\ud800-\\udfff)"
-        problems.append(SpecProblem(loc=loc, message=msg))
-    return problems
-
-
-def parse_spec(data: Any) -> TrainSpec:
-    """Validate a mapping (e.g. parsed JSON/YAML) into a `TrainSpec`.
-
-    Raises:
-        SpecInvalidError: with every problem (field path + reason), field-level and cross-field.
-    """
-    if isinstance(data, TrainSpec):
-        return data
-    if not isinstance(data, dict):
-        raise SpecInvalidError([SpecProblem(loc=(), message=f"must be an object, got {type(data).__name__}")])
-    try:
-        return TrainSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecInvalidError(_problems_from(exc)) from None
-
-
-def load_spec_file(path: str | Path) -> TrainSpec:
-    """Load a YAML or JSON spec file (same validation for both)."""
-    import yaml
-
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecInvalidError([SpecProblem(loc=(), message=f"cannot read {path}: {exc}")]) from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise SpecInvalidError([SpecProblem(loc=(), message=f"{path} is not valid YAML/JSON: {exc}")]) from None
-    return parse_spec(data)
 
 
 def spec_hash(spec: TrainSpec, *, sections: tuple[str, ...] | None = None) -> str:
