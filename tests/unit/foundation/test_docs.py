@@ -214,3 +214,18 @@ def test_docs_index_lists_every_document() -> None:
         if doc.name != "README.md":
             assert f"]({doc.name})" in index, f"docs/README.md does not index {doc.name}"
     assert "](../bench/README.md)" in index, "docs/README.md does not index bench/README.md"
+
+
+def test_service_doc_states_what_the_import_contracts_enforce() -> None:
+    """docs/service.md 1 names every module each import-linter contract forbids, and their number."""
+    import tomllib
+
+    contracts = tomllib.loads(_text(ROOT / "pyproject.toml"))["tool"]["importlinter"]["contracts"]
+    text = _text(DOCS / "service.md")
+    section = text[text.index("## 1.") : text.index("## 2.")]
+    words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    assert f"the {words.get(len(contracts), str(len(contracts)))} import-linter contracts" in section
+    for contract in contracts:
+        for module in contract.get("forbidden_modules", []):
+            name = module.split(".", 1)[1] if module.startswith("peagle.") else module
+            assert f"`{name}`" in section or name.lower() in section.lower(), (contract["name"], module)
