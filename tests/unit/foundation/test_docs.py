@@ -229,3 +229,17 @@ def test_service_doc_states_what_the_import_contracts_enforce() -> None:
         for module in contract.get("forbidden_modules", []):
             name = module.split(".", 1)[1] if module.startswith("peagle.") else module
             assert f"`{name}`" in section or name.lower() in section.lower(), (contract["name"], module)
+
+
+VARIANT_ARG = re.compile(r"--(?:variants|peer-of) ([a-z][\w.-]*(?:,[a-z][\w.-]*)*)")
+
+
+def test_documented_bench_method_variants_exist() -> None:
+    """Every `--variants a,b` / `--peer-of a` a document tells you to run names a variant of bench_method."""
+    source = _text(ROOT / "bench" / "bench_method.py")
+    names = set(re.findall(r'^    "([\w.-]+)": \(', source, re.M))
+    assert {"baseline", "peer", "demo_all_positions", "l2_layer_lr_3"} <= names
+    for path in (ROOT / "README.md", ROOT / "bench" / "README.md", DOCS / "experiments.md", DOCS / "decisions.md"):
+        for match in VARIANT_ARG.finditer(_text(path)):
+            unknown = [v for v in match.group(1).split(",") if v not in names]
+            assert not unknown, f"{path.relative_to(ROOT)}: {match.group()} names no variant {unknown}"
