@@ -10,7 +10,7 @@ No torch, no tokenizer, no data read. Two sources, stated in the answer (`basis`
   about 1.1 s per training step when quiet, 652 conversations read and prepared in about 4 s, the reference
   decoder generating about 6 tokens/s with the draft (8 prompts x 64 tokens: 184 s at load average 4, so
   about 90 s idle), the vLLM serve check about 25 s. Idle total: about 6.5 minutes, as the CLI run of the
-  README benchmarks (6 min 21 s). A loaded machine is slower (the demo took 35 min
+  bench/README.md "The demo end to end" (6 min 21 s). A loaded machine is slower (the demo took 35 min
   beside four other heavy jobs), hence the stated range `MODEL_RANGE`.
 
 The data funnel uses `peagle.spec.funnel` (the keys the job's data report and the dataset report use):
