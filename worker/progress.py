@@ -4,6 +4,10 @@ The trainer prints one JSON object per line (docs/progress.md): metrics, events 
 progress, checkpoint, eval, warning, resumed, export, error) and logs. `ProgressCollector.add` files each
 record into the pending batch; `take()` hands the batch over and starts a new one. Progress events update
 only the job row (one value, not a history); every other event becomes a `job_event` row.
+
+The evaluations after training (`FINAL_PHASES`) print their numbers twice: the final AL as a metric record,
+then the whole evaluation as an `eval` event. They become one metric record (stored once, in the batch of
+its event), marked `final` with its phase, which the replay dedup keys on (`service.db.replay`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from peagle.spec.metrics import (
     is_measured_al_key,
 )
 from service.db.lease import Batch
+from service.db.replay import FINAL_PHASES
 
 __all__ = ["ProgressCollector", "parse_line"]
 
@@ -87,6 +92,8 @@ class ProgressCollector:
         #: the numbers the jobs list shows beside the progress bar (docs/progress.md 5): the latest
         #: measured AL (reference decoder and vLLM) and the best checkpoint's held-out tau_sim
         self.summary: dict[str, float] = {}
+        #: a final evaluation's metric record, held until its eval event (module docstring)
+        self._held: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         b = self.batch
@@ -96,6 +103,16 @@ class ProgressCollector:
         """The pending batch (possibly empty); a fresh one starts."""
         batch, self.batch = self.batch, Batch()
         return batch
+
+    def discard_held(self) -> None:
+        """Drop a held final metric record (the supervisor's recovery: its eval event was never printed)."""
+        self._held = None
+
+    def release(self) -> None:
+        """File a held final metric record whose eval event never came (the trainer ended, or moved on)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.batch.metrics.append(held)
 
     def log(self, level: str, message: str, when: datetime | None = None) -> None:
         """Append a log line (stderr, non-JSON stdout, supervisor notes)."""
@@ -127,9 +144,14 @@ class ProgressCollector:
             if not isinstance(step, int):
                 return
             epoch = rec.get("epoch")
-            self.batch.metrics.append({"step": step, "epoch": float(epoch) if isinstance(epoch, int | float) else None,
-                                       "values": _finite_values(rec.get("values")), "time": when})
+            record: dict[str, Any] = {"step": step, "epoch": float(epoch) if isinstance(epoch, int | float) else None,
+                                      "values": _finite_values(rec.get("values")), "time": when}
             self.last_metric_step = step
+            if self.phase in FINAL_PHASES:  # its numbers come again in the eval event that follows
+                self.release()
+                self._held = {**record, "final": self.phase}
+                return
+            self.batch.metrics.append(record)
         elif kind == "log":
             self.log(str(rec.get("level") or "info"), str(rec.get("message") or ""), when)
         elif kind == "event":
@@ -144,6 +166,7 @@ class ProgressCollector:
             self.batch.progress = {**self._last_progress, **self.summary}
             return
         if kind == "phase":
+            self.release()
             self.phase = str(rec.get("phase") or "") or None
             self.batch.phase = self.phase
             message = message or f"phase: {self.phase}"
@@ -200,12 +223,22 @@ class ProgressCollector:
 
     def _eval_metrics(self, rec: dict[str, Any], when: datetime) -> None:
         """Evaluation results are metric keys too (`eval_*`, `acceptance_length`, `al_pos_{k}`): store
-        them as a metric record at the eval's step (the last training step when it names none)."""
+        them as a metric record at the eval's step (the last training step when it names none). A final
+        evaluation's event takes in the metric record held before it (one record, module docstring)."""
         raw = rec.get("metrics")
         values = _eval_values(raw if isinstance(raw, dict) else {})
         step = rec.get("step") if isinstance(rec.get("step"), int) else self.last_metric_step
+        epoch: float | None = None
+        held, self._held = self._held, None
+        if held is not None and held["step"] == step:
+            values, epoch = {**held["values"], **values}, held["epoch"]
+        elif held is not None:
+            self.batch.metrics.append(held)
         if values and step is not None:
-            self.batch.metrics.append({"step": step, "epoch": None, "values": values, "time": when})
+            record: dict[str, Any] = {"step": step, "epoch": epoch, "values": values, "time": when}
+            if self.phase in FINAL_PHASES:
+                record["final"] = self.phase
+            self.batch.metrics.append(record)
 
     def _progress(self, rec: dict[str, Any]) -> dict[str, Any]:
         """The job's progress summary from a `progress` event. Training counts optimizer steps; a phase that

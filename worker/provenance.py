@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,11 +63,12 @@ def _gpus() -> list[dict[str, str]]:
     return gpus
 
 
-def worker_provenance(*, argv: list[str], attempt: int, lease_owner: str) -> dict[str, Any]:
-    """What the worker knows about this attempt: host, packages, git revision, GPUs, command."""
+def worker_provenance(*, argv: list[str], attempt: int) -> dict[str, Any]:
+    """What the worker knows about this attempt: platform, packages, git revision, GPUs, command. It is
+    stored on the job, which its owner reads: the host's name and the worker's process stay in the worker
+    log and the job's lease owner (operators)."""
     repo = Path(__file__).resolve().parent.parent
     return {
-        "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "packages": _versions(),
@@ -77,7 +77,6 @@ def worker_provenance(*, argv: list[str], attempt: int, lease_owner: str) -> dic
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "argv": argv,
         "attempt": attempt,
-        "lease_owner": lease_owner,
     }
 
 

@@ -2,49 +2,53 @@
 
     Supervisor(settings, factory, lease, send_task=..., publisher=...).run()  -> final status
 
-1. Writes the job spec into the run directory (`artifact_root/<job_id>/job_spec.json`) and starts
-   `python -m peagle train SPEC --out RUN --progress-jsonl - --resume auto` (`torchrun` for gpus > 1) in
-   its own process group, with a parent-death signal so it never outlives the supervisor.
+1. Writes the job spec into the run directory (`artifact_root/<job_id>/job_spec.json`) and starts the
+   trainer (`worker.trainer`: `python -m peagle train SPEC --out RUN --progress-jsonl - --resume auto`,
+   under `torchrun` for several GPUs, in its own process group, dying with the worker, with an
+   allow-listed environment that holds none of the worker's secrets).
 2. Reader threads collect its stdout (JSON lines) and stderr; the loop writes a batch every
    `flush_seconds` (one transaction, fenced by the lease) and wakes live listeners on Redis.
 3. Every `heartbeat_seconds` it extends the lease and reads the desired state: pause/cancel send SIGTERM
    to the trainer's group (it checkpoints and exits 75), SIGKILL after `kill_grace_seconds`. SIGTERM to
    the supervisor's own process (the worker is shutting down, `worker.app.stop_running_jobs`) does the
    same within `shutdown_grace_seconds`, then requeues the job (attempt + 1) to resume from that checkpoint.
-4. On exit it maps the exit code (`peagle.errors.EXIT_CODES`) and stderr OOM signatures to the job's
-   final state and error code. A trainer killed by a signal it was not sent is a crash: the job is
-   requeued (attempt+1, resumes from its last complete checkpoint) up to `max_restarts`.
+4. On exit it maps the exit code (`worker.trainer.classify_exit`) to the job's final state and error code.
+   A trainer killed by a signal it was not sent is a crash, and so is a target engine that failed
+   (`engine_failed`): the job is requeued (attempt+1, resumes from its last complete checkpoint, its
+   prepared data and the owner's regeneration cache) up to `max_restarts`, then fails with that code.
+
+What the job's owner reads (events, logs, errors, provenance) names no server path, host, pid or service
+address (`worker.redact`); the worker log keeps them for operators.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
 import queue
-import shlex
 import signal
+import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from peagle.engine.procs import signal_group
 from peagle.errors import EXIT_CODES
 from peagle.fileio import atomic_write_json
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec
 from service.channels import dataset_id
 from service.db import states
 from service.db.lease import (
+    Batch,
     Lease,
     LeaseLost,
     dataset_files,
@@ -56,103 +60,18 @@ from service.db.lease import (
     record_task_id,
     requeue_crashed,
 )
+from service.db.replay import FINAL_PHASES
 from service.db.session import session_scope
 from service.settings import Settings
 from worker.live import Publisher
 from worker.progress import ProgressCollector, parse_line
 from worker.provenance import read_json, worker_provenance
 from worker.redact import Redactor
+from worker.trainer import build_command, classify_exit, start_trainer, trainer_env, trainer_environment
 
-__all__ = ["Outcome", "Supervisor", "build_command", "classify_exit", "trainer_environment"]
+__all__ = ["Outcome", "Supervisor"]
 
 log = logging.getLogger(__name__)
-
-CODE_BY_EXIT = {v: k for k, v in EXIT_CODES.items()}
-CUDA_OOM = ("CUDA out of memory", "OutOfMemoryError: CUDA", "torch.OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
-HOST_OOM = ("MemoryError", "std::bad_alloc", "Cannot allocate memory", "DefaultCPUAllocator: can't allocate")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _resolved(spec: TrainSpec | dict[str, Any]) -> TrainSpec:
-    """The spec with its target engine resolved as the trainer will (vLLM installed on this worker?)."""
-    from peagle.engine.locate import vllm_available
-
-    parsed = parse_spec(spec)
-    return parsed.resolve(cuda_available=parsed.resources.gpus > 0, vllm_available=vllm_available())
-
-
-def build_command(settings: Settings, spec: TrainSpec | dict[str, Any], spec_path: Path, run_dir: Path) -> list[str]:
-    """The trainer command line: `peagle train` (under `torchrun` when the trainer gets > 1 GPU: the job's
-    GPUs, less those the vLLM target engine takes, `resources.train_gpus`)."""
-    resolved = _resolved(spec)
-    r = resolved.resources
-    gpus = (r.train_gpus or r.gpus) if r.target_engine == "vllm" else r.gpus
-    tail = ["train", str(spec_path), "--out", str(run_dir), "--progress-jsonl", "-", "--resume", "auto"]
-    if settings.trainer_command:
-        return [*shlex.split(settings.trainer_command), *tail]
-    if gpus > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-                "--module", "peagle", *tail]
-    return [sys.executable, "-m", "peagle", *tail]
-
-
-def trainer_environment(spec: TrainSpec | dict[str, Any], *, visible: str | None, regen_cache: Path | None
-                        ) -> dict[str, str]:
-    """What the trainer's environment adds for its target engine: its GPUs (`CUDA_VISIBLE_DEVICES`) and the
-    engine's (`PEAGLE_ENGINE_DEVICES`), split by `peagle.engine.placement.split_devices`, and the owner's
-    own regeneration cache (`PEAGLE_REGEN_CACHE`: a tenant never reads another's cached answers).
-
-    Args:
-        spec: the job spec.
-        visible: this worker's `CUDA_VISIBLE_DEVICES` (None = every GPU torch would see, numbered from 0).
-        regen_cache: the owner's regeneration cache folder.
-    """
-    from peagle.engine.placement import split_devices
-
-    env: dict[str, str] = {}
-    if regen_cache is not None:
-        env["PEAGLE_REGEN_CACHE"] = str(regen_cache)
-    resolved = _resolved(spec)
-    r = resolved.resources
-    if r.gpus == 0 or r.target_engine != "vllm":
-        return env
-    names = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(r.gpus)]
-    engine, trainer = split_devices(names[: r.gpus], r.capture_gpus or 0, r.train_gpus or r.gpus)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(trainer)
-    env["PEAGLE_ENGINE_DEVICES"] = ",".join(engine)
-    return env
-
-
-def classify_exit(returncode: int, stderr_tail: list[str], last_error: dict[str, Any] | None
-                  ) -> tuple[str, str, bool]:
-    """(error_code, message, retryable) of a failed trainer exit (returncode not 0 and not 75).
-
-    The exit code names the failure (`EXIT_CODES`); a generic exit 1 is refined by OOM signatures in
-    stderr; the message is the trainer's last error event, else the last stderr line.
-    """
-    text = "\n".join(stderr_tail)
-    code = CODE_BY_EXIT.get(returncode, "training_failed")
-    if code in ("error", "usage", "training_failed"):
-        if any(sig in text for sig in CUDA_OOM):
-            code = "cuda_oom"
-        elif any(sig in text for sig in HOST_OOM):
-            code = "host_oom"
-        else:
-            code = "training_failed"
-    message = (last_error or {}).get("message") or ""
-    if not message:
-        lines = [ln.strip() for ln in stderr_tail if ln.strip()]
-        message = lines[-1] if lines else f"trainer exited with code {returncode}"
-    if code == "cuda_oom" and "out of memory" not in message.lower():
-        message = f"CUDA out of memory: {message}"
-    if code == "host_oom" and "memory" not in message.lower():
-        message = f"host out of memory: {message}"
-    return code, message, code in ("resource_unavailable",)
 
 
 class Outcome:
@@ -196,8 +115,8 @@ class Supervisor:
     def _signal_group(self, sig: int) -> None:
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        with contextlib.suppress(PermissionError):
+            signal_group(self.proc, sig)
 
     def _request_stop(self, why: str) -> None:
         if self.term_sent_at is None:
@@ -216,7 +135,7 @@ class Supervisor:
             return min(self.settings.kill_grace_seconds, self.settings.shutdown_grace_seconds)
         return self.settings.kill_grace_seconds
 
-    def _reader(self, stream: Any, name: str) -> None:
+    def _reader(self, stream: IO[str], name: str) -> None:
         try:
             for line in stream:
                 self.lines.put((name, line))
@@ -228,6 +147,8 @@ class Supervisor:
     def _flush(self, final: bool = False) -> None:
         """Write the pending batch (retrying later on database errors); raises LeaseLost."""
         self._pick_up_run_files(force=final)
+        if final:
+            self.collector.release()
         batch = self.collector.take()
         if not batch:
             return
@@ -243,7 +164,7 @@ class Supervisor:
         if self.publisher is not None:
             self.publisher.publish(self.lease.job_id, seqs, self.status)
 
-    def _requeue_batch(self, batch: Any) -> None:
+    def _requeue_batch(self, batch: Batch) -> None:
         pending = self.collector.take()
         for f in dataclasses.fields(pending):  # lists append; single values: the newer one wins
             value = getattr(pending, f.name)
@@ -299,17 +220,18 @@ class Supervisor:
             return self._end(states.FAILED, "data_invalid", missing, False, ("error", f"data_invalid: {missing}"))
         spec_path = self.run_dir / "job_spec.json"
         atomic_write_json(spec_path, spec.model_dump(mode="json"), indent=2)
-        argv = build_command(self.settings, spec, spec_path, self.run_dir)
+        argv = build_command(settings=self.settings, spec=spec, spec_path=spec_path, run_dir=self.run_dir)
         with session_scope(self.factory) as s:
             tenant = job_owner_id(s, self.lease.job_id)
         regen_cache = self.settings.home.resolve() / "cache" / f"owner-{tenant}" / "regenerate" if tenant is not None else None
-        self.engine_env = trainer_environment(spec, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        self.engine_env = trainer_environment(spec=spec, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
                                               regen_cache=regen_cache)
-        self.worker_prov = self.redact.value(
-            worker_provenance(argv=argv, attempt=self.lease.attempt, lease_owner=self.lease.owner))
+        self.worker_prov = self.redact.value(worker_provenance(argv=argv, attempt=self.lease.attempt))
         self.collector.batch.provenance = {"worker": self.worker_prov, "trainer": None}
-        self.collector.event("started", f"attempt {self.lease.attempt} started on {self.worker_prov['host']}",
-                             {"argv": self.redact.value(argv), "lease_owner": self.lease.owner})
+        # which host and process run it is for operators (this log, the job's lease owner), not the tenant
+        log.info("job %s: attempt %s on %s (lease owner %s)", self.lease.job_id, self.lease.attempt,
+                 socket.gethostname(), self.lease.owner)
+        self.collector.event("started", f"attempt {self.lease.attempt} started", {"argv": self.redact.value(argv)})
         self._backfill()
         previous = None
         if threading.current_thread() is threading.main_thread():
@@ -366,6 +288,8 @@ class Supervisor:
         checkpoint, so those steps would be a gap. The trainer also appends every record to
         RUN/progress.jsonl: metrics above the stored floor and unknown checkpoints are ingested from it,
         and the floor rises to what was recovered (the resumed trainer's replays are then dropped).
+        An evaluation after training (`FINAL_PHASES`, e.g. a crash during `evaluating` after the final AL
+        was printed) is recovered once if its phase's evaluation is not stored yet.
         """
         path = self.run_dir / "progress.jsonl"
         if not path.exists():
@@ -374,10 +298,23 @@ class Supervisor:
         seen: set[tuple[int, tuple[str, ...]]] = set()
         known = self.lease.latest_checkpoint_step
         top, top_eval = floor, eval_floor
+        phase: str | None = None  # the phase each record was printed in (attempts append to one file)
+        finals: set[str] = set()
         with path.open(encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 rec = parse_line(line)
                 if rec is None:
+                    continue
+                if rec["type"] == "event" and rec.get("kind") == "phase":
+                    phase = str(rec.get("phase") or "") or None
+                    continue
+                if phase in FINAL_PHASES:
+                    done = finals | self.lease.final_evaluations
+                    if phase not in done and (rec["type"] == "metric" or rec.get("kind") == "eval"):
+                        self.collector.phase = phase  # the collector marks and merges what it files
+                        self.collector.add(self.redact.value(rec))
+                        if rec.get("kind") == "eval":
+                            finals.add(str(phase))
                     continue
                 if rec["type"] == "metric" and isinstance(rec.get("step"), int):
                     key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
@@ -395,29 +332,27 @@ class Supervisor:
                         seen.add(key)
                         self.collector.add(self.redact.value(rec))
                         top_eval = rec["step"] if top_eval is None else max(top_eval, rec["step"])
-        if seen:
-            self.collector.log("warning", f"recovered {len(seen)} metric record(s) of the previous attempt "
-                                          f"from progress.jsonl (up to step {max(top or 0, top_eval or 0)})")
+        self.collector.phase = None
+        self.collector.discard_held()  # a final record whose event was never printed: measured again
+        if seen or finals:
+            self.collector.log("warning", f"recovered {len(seen) + len(finals)} metric record(s) of the previous "
+                                          f"attempt from progress.jsonl (up to step {max(top or 0, top_eval or 0)})")
         self._flush()  # with the old floors, then raise them
-        self.lease = replace(self.lease, metric_floor=top, eval_floor=top_eval)
+        self.lease = replace(self.lease, metric_floor=top, eval_floor=top_eval,
+                             final_evaluations=self.lease.final_evaluations | frozenset(finals))
         self.collector.checkpoints_seen = 0
 
     def _supervise(self, argv: list[str]) -> str:
-        # No Hugging Face progress bars: stderr lines become job logs, and a bar there is noise
-        # ("0%| | 0/272"). Not TQDM_DISABLE: vLLM's serve check divides by a disabled bar's elapsed time.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PEAGLE_JOB_ID": self.lease.job_id,
-               "PEAGLE_ATTEMPT": str(self.lease.attempt), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-        env.update(self.engine_env)
+        env = trainer_env(job_id=self.lease.job_id, attempt=self.lease.attempt, placement=self.engine_env)
         try:
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                bufsize=1, errors="replace", env=env, start_new_session=True, preexec_fn=_die_with_parent,
-            )
+            self.proc = start_trainer(argv=argv, env=env)
         except OSError as exc:
-            return self._end(states.FAILED, "trainer_start_failed", f"cannot start the trainer: {exc}", False)
-        self.collector.event("trainer", f"trainer started (pid {self.proc.pid})", {"pid": self.proc.pid})
-        readers = [threading.Thread(target=self._reader, args=(s, n), daemon=True)
-                   for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+            log.warning("job %s: cannot start the trainer: %s", self.lease.job_id, exc)
+            return self._end(states.FAILED, "trainer_start_failed",
+                             f"cannot start the trainer: {exc.strerror or type(exc).__name__}", False)
+        self.collector.event("trainer", "trainer started")  # its pid is in the worker log, not the tenant's events
+        streams: list[tuple[IO[str] | None, str]] = [(self.proc.stdout, "out"), (self.proc.stderr, "err")]
+        readers = [threading.Thread(target=self._reader, args=(st, n), daemon=True) for st, n in streams]
         for t in readers:
             t.start()
         open_streams = 2
@@ -493,8 +428,11 @@ class Supervisor:
             name = signal.Signals(-rc).name if rc < 0 else "SIGTERM"
             why = f"trainer killed by {name}" + (" (the kernel OOM killer sends SIGKILL)" if rc == -9 else "")
             return self._crash(why, "host_oom" if rc == -9 else "trainer_killed")
-        code, message, retryable = classify_exit(rc, list(self.stderr_tail), self.collector.last_error)
-        return self._end(states.FAILED, code, message, retryable, ("error", f"{code}: {message}"))
+        failure = classify_exit(returncode=rc, stderr_tail=list(self.stderr_tail), last_error=self.collector.last_error)
+        if failure.restart:  # a new attempt resumes from what was done (regeneration cache, checkpoints)
+            return self._crash(f"{failure.code}: {self.redact.text(failure.message)}", failure.code)
+        return self._end(states.FAILED, failure.code, failure.message, failure.retryable,
+                         ("error", f"{failure.code}: {failure.message}"))
 
     def _end(self, status: str, code: str | None, message: str | None, retryable: bool | None,
              event: tuple[str, str] | None = None) -> str:

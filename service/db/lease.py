@@ -30,7 +30,7 @@ from peagle.errors import PeagleError
 from service.db import states
 from service.db.events import add_event, event_row, insert_events
 from service.db.models import Checkpoint, Dataset, Job, JobLog, JobMetric, Owner, utcnow
-from service.db.replay import metric_floors, replayed
+from service.db.replay import final_evaluations, metric_floors, replayed
 
 __all__ = [
     "QUOTA_WAIT",
@@ -87,6 +87,8 @@ class Lease:
     `metric_floor` / `eval_floor` are the highest training / evaluation metric steps stored before this
     attempt: a resumed trainer replays the steps after its checkpoint, and records with `step <=` the floor
     of their kind are dropped (no duplicates; dedup is on (step, kind), see `service.db.replay`).
+    `final_evaluations` are the phases after training whose evaluation the job has stored (a replay of one
+    is dropped; one not stored yet is kept whatever the floors say).
     """
 
     job_id: str
@@ -98,6 +100,7 @@ class Lease:
     max_restarts: int
     latest_checkpoint_step: int | None
     eval_floor: int | None = None
+    final_evaluations: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ def claim_job(session: Session, job_id: str, *, owner: str, lease_seconds: float
     return Lease(
         job_id=job_id, owner=owner, attempt=int(row[0]), metric_floor=floor, eval_floor=eval_floor,
         queue=str(row[1]), spec=dict(row[2]), max_restarts=int(row[3]), latest_checkpoint_step=checkpoint,
+        final_evaluations=final_evaluations(session, job_id),
     )
 
 
@@ -341,7 +345,8 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
         LeaseLost: the lease is no longer ours (nothing was written).
     """
     now = now or utcnow()
-    metrics = [m for m in batch.metrics if not replayed(m, lease.metric_floor, lease.eval_floor)]
+    metrics = [m for m in batch.metrics
+               if not replayed(m, lease.metric_floor, lease.eval_floor, lease.final_evaluations)]
     values: dict[str, Any] = {"updated_at": now}
     if batch.progress is not None:
         values["progress"] = batch.progress

@@ -5,6 +5,12 @@ Dedup is per (step, kind): a training record (`loss`, `acc_k`, ...) and an evalu
 `acceptance_length`, `al_pos_k`) at the same step are different records. An attempt that crashed at a
 checkpoint step N had stored its training metrics at N but not yet the eval at N; that eval must still be
 stored when it arrives in the replay. Each kind has its own floor (`Lease.metric_floor`, `Lease.eval_floor`).
+
+The evaluations after training (`FINAL_PHASES`: the final AL of the best checkpoint, the serve check) are
+records of the run, not of a step: they carry the last training step, which the floors already cover once
+training is complete, so a floor would drop the evaluation of an attempt that resumes after a crash during
+`evaluating`. The worker marks them (`final`: the phase) and stores each one with its `eval` event in one
+transaction; they are dropped only when that phase's eval event is already stored (`final_evaluations`).
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from peagle.spec.metrics import AL_POS_PREFIX, is_eval_key
-from service.db.models import JobMetric
+from service.db.models import JobEvent, JobMetric
 
-__all__ = ["EVAL", "TRAIN", "metric_floors", "metric_kind", "replayed"]
+__all__ = ["EVAL", "FINAL_PHASES", "TRAIN", "final_evaluations", "metric_floors", "metric_kind", "replayed"]
 
 TRAIN = "train"
 EVAL = "eval"
+#: The phases after training whose `eval` event (and its metric record) a job stores once.
+FINAL_PHASES = ("evaluating", "serve_check")
 
 
 def metric_kind(values: Mapping[str, Any]) -> str:
@@ -51,7 +59,22 @@ def metric_floors(session: Session, job_id: str, checkpoint_step: int | None) ->
     return floors[TRAIN], floors[EVAL]
 
 
-def replayed(metric: Mapping[str, Any], train_floor: int | None, eval_floor: int | None) -> bool:
-    """Whether a metric record ({step, values}) is a replay of one already stored (drop it)."""
+def final_evaluations(session: Session, job_id: str) -> frozenset[str]:
+    """The `FINAL_PHASES` whose `eval` event the job has stored (with its metric record, module docstring)."""
+    rows = session.execute(
+        sa.select(JobEvent.phase).where(JobEvent.job_id == job_id, JobEvent.kind == "eval",
+                                        JobEvent.phase.in_(FINAL_PHASES)).distinct()
+    ).scalars()
+    return frozenset(str(p) for p in rows)
+
+
+def replayed(metric: Mapping[str, Any], train_floor: int | None, eval_floor: int | None,
+             final_done: frozenset[str] = frozenset()) -> bool:
+    """Whether a metric record ({step, values, final?}) is a replay of one already stored (drop it): a
+    record of a final evaluation (`final`: its phase) when that phase's evaluation is in `final_done`,
+    any other record at or below the floor of its kind."""
+    final = metric.get("final")
+    if final is not None:
+        return final in final_done
     floor = eval_floor if metric_kind(metric.get("values") or {}) == EVAL else train_floor
     return floor is not None and int(metric["step"]) <= floor

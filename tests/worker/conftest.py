@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -67,6 +68,27 @@ def new_job(factory: Any, *, status: str = "queued", max_restarts: int = 2) -> s
         return str(job.id)
 
 
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with (/proc/<pid>/environ); {} when it is gone or not ours."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
+
+
 def kill_group(proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
@@ -121,9 +143,34 @@ class Stack:
         return proc
 
     def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
-        """A real Celery worker process (`python -m worker`) on this test's queue."""
+        """A real Celery worker process (`python -m worker`) on this test's queue.
+
+        The fake trainer's knobs (`FAKE_*` in `env`) travel in its command line (`env K=V python
+        fake_trainer.py`): the worker hands the trainer only an allow-listed environment."""
+        env = dict(env or {})
+        knobs = {k: env.pop(k) for k in list(env) if k.startswith("FAKE_")}
+        command = env.get("PEAGLE_TRAINER_COMMAND", self.env.get("PEAGLE_TRAINER_COMMAND"))
+        if knobs and command:
+            env["PEAGLE_TRAINER_COMMAND"] = shlex.join(["env", *(f"{k}={v}" for k, v in knobs.items())]) + \
+                " " + command
         return self._spawn(["-m", "worker", "--queue", self.queue, "--no-reaper",
                             "--hostname", f"w{len(self.procs)}-{self.queue}@localhost"], "worker", env)
+
+    def trainer_pid(self, job_id: str, attempt: int, timeout: float = 60.0) -> int:
+        """The pid of the trainer of `job_id`'s `attempt` (found in /proc by its command line, which names
+        the job's spec file, and its `PEAGLE_ATTEMPT`): the job's events name no pid."""
+        spec_file = str(self.settings.resolved_artifact_root() / job_id / "job_spec.json")
+        deadline = time.monotonic() + timeout
+        while True:
+            found = sorted(pid for pid in _pids() if spec_file in _cmdline(pid)
+                           and process_environ(pid).get("PEAGLE_ATTEMPT") == str(attempt))
+            if found:
+                return found[0]  # the first started (torchrun's ranks come after it)
+            if time.monotonic() > deadline:
+                job = self.job(job_id)
+                pytest.fail(f"no trainer of attempt {attempt} found: status={job.status} attempt={job.attempt}"
+                            f"\n{self.logs()}")
+            time.sleep(0.05)
 
     def wait_workers_ready(self, count: int, timeout: float = 60.0) -> None:
         """Block until `count` worker logs say Celery is consuming (`... ready.`)."""

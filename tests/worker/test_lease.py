@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from peagle.spec import preset
 from service.db import lease as L
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric, utcnow
 from service.db.session import session_scope
-from service.settings import Settings
 from tests.worker.conftest import new_job
 from worker.progress import ProgressCollector
-from worker.supervisor import build_command, classify_exit
 
 
 def claim(factory, job_id, owner="w1", lease_seconds=60.0):
@@ -155,27 +152,6 @@ def test_finish_checks_the_state_machine(factory):
     with factory() as s:
         job = s.get(Job, job_id)
     assert job.status == "failed" and job.error_code == "data_invalid" and job.lease_owner is None
-
-
-def test_classify_exit_codes_and_oom_signatures():
-    assert classify_exit(4, [], {"code": "data_invalid", "message": "f.json: line 3: bad"}) == (
-        "data_invalid", "f.json: line 3: bad", False)
-    code, msg, _ = classify_exit(1, ["Traceback", "torch.OutOfMemoryError: CUDA out of memory. Tried"], None)
-    assert code == "cuda_oom" and "CUDA out of memory" in msg
-    assert classify_exit(1, ["RuntimeError: DefaultCPUAllocator: can't allocate memory"], None)[0] == "host_oom"
-    assert classify_exit(5, ["error: cannot load target"], None)[:2] == ("target_load_failed", "error: cannot load target")
-    assert classify_exit(3, [], None)[0] == "spec_invalid" and classify_exit(6, [], None)[0] == "cuda_oom"
-    assert classify_exit(1, ["ValueError: boom"], None)[:2] == ("training_failed", "ValueError: boom")
-
-
-def test_build_command_uses_torchrun_for_several_gpus(tmp_path):
-    spec = preset("tiny").model_dump(mode="json")
-    one = build_command(Settings(), spec, tmp_path / "s.json", tmp_path)
-    assert one[1:4] == ["-m", "peagle", "train"] and one[-2:] == ["--resume", "auto"]
-    spec["resources"].update(gpus=4, device="cuda")  # a valid spec: the supervisor parses it into a TrainSpec
-    multi = build_command(Settings(), spec, tmp_path / "s.json", tmp_path)
-    assert multi[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=4" in multi
-    assert multi[multi.index("--module") + 1] == "peagle"
 
 
 def test_progress_collector_turns_lines_into_a_batch():

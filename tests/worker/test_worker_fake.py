@@ -38,10 +38,7 @@ def test_job_runs_to_success(make_stack, backend, spec_for):
 
 
 def _trainer_pid(stack, job_id, attempt=0):
-    ev = stack.wait(job_id, lambda j: any(e.kind == "trainer" and e.attempt == attempt
-                                          for e in stack.rows(JobEvent, j.id)), 30, "trainer started")
-    del ev
-    return next(e.data["pid"] for e in stack.rows(JobEvent, job_id) if e.kind == "trainer" and e.attempt == attempt)
+    return stack.trainer_pid(job_id, attempt)  # the job's events name no pid: found in /proc
 
 
 def _alive(pid):

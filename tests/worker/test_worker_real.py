@@ -67,11 +67,7 @@ def training_steps(stack, job_id):
 
 
 def trainer_pid(stack, job_id, attempt):
-    def started(job):
-        return any(e.kind == "trainer" and e.attempt == attempt for e in stack.rows(JobEvent, job.id))
-
-    stack.wait(job_id, started, 60, f"trainer of attempt {attempt}")
-    return next(e.data["pid"] for e in stack.rows(JobEvent, job_id) if e.kind == "trainer" and e.attempt == attempt)
+    return stack.trainer_pid(job_id, attempt)  # the job's events name no pid: found in /proc
 
 
 def alive(pid):
