@@ -38,7 +38,7 @@ _APP = Path(__file__).resolve().parents[1]
 #: URL schemes that name the service's own infrastructure whatever the host.
 _INFRA_SCHEMES = ("redis", "rediss", "postgres", "postgresql", "amqp", "amqps", "sqlite", "mysql", "sentinel")
 _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s'\"<>)\]]+")
-_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?![\w.])")
+_IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?(?!\w|\.\d)")
 _IPV6 = re.compile(r"\[[0-9a-fA-F]*:[0-9a-fA-F:.]*\](?::\d{1,5})?")
 _LOCALHOST = re.compile(r"\blocalhost:\d{1,5}\b")
 _PID = re.compile(r"\b(pid\s*[=:]?\s*)\d+", re.IGNORECASE)

@@ -3,7 +3,10 @@
     python fake_trainer.py train SPEC --out RUN --progress-jsonl - [--resume auto|never]
 
 "Weights" are one float updated deterministically per step, so an interrupted-and-resumed run ends with
-exactly the weights of an uninterrupted one. Knobs (environment): FAKE_STEP_SECONDS (sleep per step).
+exactly the weights of an uninterrupted one. Knobs (environment): FAKE_STEP_SECONDS (sleep per step),
+FAKE_ENGINE_FAIL_ATTEMPTS (comma-separated attempts, `PEAGLE_ATTEMPT`, whose "target engine" dies after
+their first checkpoint: exit 11, `engine_failed`). With `PEAGLE_REGEN_CACHE` it "regenerates" into that
+cache once (a file) and reports how many cached answers it found (`regen_cached` of the resumed event).
 A data source that is a local JSONL file is validated line by line (exit 4 naming the bad line).
 """
 
@@ -14,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_OK, EXIT_DATA, EXIT_INTERRUPTED = 0, 4, 75
+EXIT_OK, EXIT_DATA, EXIT_ENGINE, EXIT_INTERRUPTED = 0, 4, 11, 75
 stop = {"n": 0}
 
 
@@ -83,11 +86,19 @@ def main(argv):
     every = spec["checkpoints"]["every_steps"]
     delay = float(os.environ.get("FAKE_STEP_SECONDS", "0.05"))
     step, w = 0, 1.0
+    attempt = os.environ.get("PEAGLE_ATTEMPT", "0")
+    failing = attempt in os.environ.get("FAKE_ENGINE_FAIL_ATTEMPTS", "").split(",")
+    cache = Path(os.environ["PEAGLE_REGEN_CACHE"]) if os.environ.get("PEAGLE_REGEN_CACHE") else None
+    cached = len(list(cache.glob("*.jsonl"))) if cache is not None and cache.is_dir() else 0
+    if cache is not None and not cached:
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "answers.jsonl").write_text('{"answer": "regenerated"}\n')
     cks = sorted((run / "checkpoints").glob("step_*/COMPLETE")) if resume == "auto" else []
     if cks:
         state = json.loads((cks[-1].parent / "state.json").read_text())
         step, w = state["step"], state["w"]
-        emit({"type": "event", "kind": "resumed", "message": f"resumed from step {step}", "step": step})
+        emit({"type": "event", "kind": "resumed", "message": f"resumed from step {step}", "step": step,
+              "regen_cached": cached})
     emit({"type": "event", "kind": "phase", "phase": "training", "message": "training"})
     while step < total:
         time.sleep(delay)
@@ -97,6 +108,12 @@ def main(argv):
         emit({"type": "event", "kind": "progress", "step": step, "total_steps": total, "epoch": step / total})
         if step % every == 0 or step == total:
             save(run, step, w, True)
+            if failing:  # what peagle train does when its vLLM engine dies (EngineError -> exit 11)
+                msg = (f"vLLM target engine died (pid {os.getpid() + 1}): Error 111 connecting to 127.0.0.1:41234. "
+                       "Connection refused; command: vllm serve --host 127.0.0.1 --port 41234")
+                emit({"type": "event", "kind": "error", "code": "engine_failed", "message": msg})
+                sys.stderr.write(f"error: {msg}\n")
+                return EXIT_ENGINE
         if stop["n"]:
             if step % every != 0 and step != total:
                 save(run, step, w, False)
