@@ -9,8 +9,8 @@ torchrun, Hugging Face (offline switches, caches), vLLM and the locale read, plu
 stays in the worker: the service's secrets and endpoints (`PEAGLE_SECRET_KEY`, `PEAGLE_DATABASE_URL` with
 its credentials, `PEAGLE_BROKER_URL`, `PEAGLE_REDIS_URL`, ...) and any name that looks like a credential
 (`*_URL`, `*PASSWORD*`, `*SECRET*`, `*TOKEN*`; the Hugging Face hub token `HF_TOKEN` is the one exception,
-a target can be a gated hub model the trainer downloads). The proxy variables pass (hub downloads behind a
-proxy).
+a target can be a gated hub model the trainer downloads). The proxy and CA-bundle variables pass
+(hub downloads behind a proxy).
 
 `vllm_env` is the one environment every vLLM process is started with (`peagle.engine.server` and
 `peagle.engine.prober`): `child_env` without this interpreter's Python settings (vLLM runs in its own
@@ -53,8 +53,9 @@ _NAMES = frozenset({
     "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     # Hugging Face
     "HF_TOKEN", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE",
-    # proxies (hub downloads)
+    # proxies and CA bundles (hub downloads)
     "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
     *CHILD_PEAGLE_VARS,
 })  # fmt: skip
 

@@ -1,6 +1,7 @@
-"""The engine's guard: owns the inference engine's process group and never lets it outlive its parent.
+"""The engine's guard: owns a vLLM process group (`vllm serve` or the probe) and never lets it outlive its parent.
 
-    python guard.py [--grace S] -- CMD ARG...          (stdlib only; `peagle.engine.server` starts it)
+    python guard.py [--grace S] [--cleanup DIR]... -- CMD ARG...    (stdlib only)
+    proc = guarded(cmd, env=vllm_env(...), grace_s=20.0, cleanup=[tmp])  # how `server` and `prober` start it
 
 The trainer starts this script in a session of its own; the script starts CMD (`vllm serve ...`) in
 another new session, so CMD and every process it spawns (vLLM's engine core and workers) share one process
@@ -14,60 +15,77 @@ after `--grace` seconds) when any of these happens:
   that started the guard ends, so it is not used);
 * CMD exits (its leftover children are collected too).
 
+Then it removes every `--cleanup` folder (the probe's plan, result and log), unless CMD exited on its own
+while the parent lives: that parent still reads the result, and removes the folder itself.
+
 Being in its own session, the guard is not hit by the supervisor's SIGKILL of the trainer's group, which
 is what lets it clean up after a trainer that could not. It exits with CMD's exit code (128 + signal when
-CMD was killed by one). It imports nothing outside the standard library, so any Python runs it.
+CMD was killed by one). It imports nothing outside the standard library and `procs.py` beside it
+(loaded by path), so any Python runs it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:
+    from peagle.engine import procs
+else:  # run as a script, by any Python: the sibling module, by path (not `peagle`, which may not import)
+    _spec = importlib.util.spec_from_file_location("_peagle_procs", Path(__file__).with_name("procs.py"))
+    procs = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(procs)
 
 POLL_S = 0.5
+GUARD = Path(__file__).resolve()
+
+
+def guarded(
+    cmd: Sequence[str], *, env: dict[str, str], grace_s: float, cleanup: Sequence[Path] = (), stdout: Any = None,
+    stderr: Any = None,
+) -> subprocess.Popen[Any]:
+    """Start `cmd` under the guard (this interpreter runs it), in a session of its own (module docstring).
+
+    Args:
+        cmd: the vLLM command (`vllm serve ...`, the probe).
+        env: the environment of the guard and of `cmd` (`peagle.engine.environment.vllm_env`).
+        grace_s: seconds between the group's SIGTERM and its SIGKILL.
+        cleanup: folders the guard removes when it takes `cmd` down (the probe's temporary folder).
+        stdout: where the guard's and `cmd`'s output goes (`subprocess.Popen` values).
+        stderr: likewise (`subprocess.STDOUT` = into stdout).
+
+    Returns:
+        The guard's process: stop it with `procs.stop_group(proc, grace_s=...)` (SIGTERM: the guard takes
+        the command's group down within its own grace); its exit code is `cmd`'s.
+    """
+    argv = [sys.executable, str(GUARD), "--grace", f"{grace_s:g}"]
+    for folder in cleanup:
+        argv += ["--cleanup", str(folder)]
+    # No parent-death signal: it fires when the starting *thread* ends; the guard polls its parent instead.
+    return procs.spawn([*argv, "--", *cmd], env=env, stdout=stdout, stderr=stderr, die_with_parent=False)
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
-        raise SystemExit("usage: guard.py [--grace S] -- CMD ARG...")
+        raise SystemExit("usage: guard.py [--grace S] [--cleanup DIR]... -- CMD ARG...")
     cut = argv.index("--")
     p = argparse.ArgumentParser(description="run CMD in its own process group; kill the group with the parent")
     p.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--cleanup", action="append", default=[], help="a folder to remove when CMD is taken down")
     args = p.parse_args(argv[:cut])
     cmd = argv[cut + 1 :]
     if not cmd:
         raise SystemExit("guard.py: no command after --")
     return args, cmd
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _take_down(pgid: int, child: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM to the whole group, SIGKILL to what is left after `grace` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if child.poll() is not None and not _group_alive(pgid):
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(timeout=5)
 
 
 def main(argv: list[str]) -> int:
@@ -80,8 +98,8 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    child = subprocess.Popen(cmd, start_new_session=True)  # CMD leads a new group: pgid == its pid
-    pgid = child.pid
+    # CMD leads a new group (pgid == its pid); it is SIGKILLed should the guard itself be SIGKILLed.
+    child = procs.spawn(cmd, env=os.environ, stdout=None, stderr=None, stdin=None)
     try:
         while not stop["why"]:
             if child.poll() is not None:
@@ -92,7 +110,10 @@ def main(argv: list[str]) -> int:
                 break
             time.sleep(POLL_S)
     finally:
-        _take_down(pgid, child, args.grace)
+        procs.stop_group(child, grace_s=args.grace)
+        if stop["why"] != "exited" or os.getppid() != parent:
+            for folder in args.cleanup:
+                shutil.rmtree(folder, ignore_errors=True)
     rc = child.returncode
     if rc is None:
         return 137

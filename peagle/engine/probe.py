@@ -1,7 +1,7 @@
-"""vLLM probe: runs INSIDE the vLLM venv (`.vllm-venv/bin/python peagle/eval/vllm_probe.py --plan P --out O`).
+"""vLLM probe: runs INSIDE the vLLM venv (`.vllm-venv/bin/python peagle/engine/probe.py --plan P --out O`).
 
 It imports only the standard library, vLLM and what vLLM itself ships (torch, safetensors); never
-`peagle` (the project venv and vLLM's pin different transformers). `peagle.eval.serve_check` writes the
+`peagle` (the project venv and vLLM's pin different transformers). `peagle.engine.prober` writes the
 plan (prompts as token ids, already chat-templated, so both decoders see identical inputs), starts this
 script as a subprocess and reads the JSON it writes. The probe reports raw facts only (per-request
 acceptance histograms, seconds, token counts); every number derived from them (AL, speedup) is computed
@@ -48,7 +48,7 @@ from typing import Any
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--plan", required=True, help="JSON plan written by peagle.eval.serve_check.run_probe")
+    p.add_argument("--plan", required=True, help="JSON plan written by peagle.engine.prober.run_probe")
     p.add_argument("--out", help="where to write the JSON result")
     p.add_argument("--serve", choices=("base", "spec"), help="(internal) hold one engine, answer on --reply-fd")
     p.add_argument("--k", type=int, default=0, help="(internal, --serve spec) K of the draft engine")

@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shlex
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,13 +38,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from peagle.engine import procs
+from peagle.engine.environment import vllm_env
+from peagle.engine.guard import guarded
 from peagle.engine.locate import vllm_python
 from peagle.errors import EngineError
 
 __all__ = ["CaptureOptions", "EngineConfig", "VllmServer", "engine_config_from_spec", "log_tail"]
 
 PLUGINS_DIR = Path(__file__).resolve().with_name("vllm_plugins")
-GUARD = Path(__file__).resolve().with_name("guard.py")
+#: Seconds the guard gives the engine's group between SIGTERM and SIGKILL.
+GRACE_S = 20.0
 #: The name the engine serves the target under (requests name it in `model`).
 SERVED_NAME = "target"
 CONNECTOR = "PeagleHiddenStatesConnector"
@@ -206,24 +207,11 @@ class VllmServer:
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        """The engine's environment: ours minus this venv's Python settings, plus vLLM's."""
+        """The engine's environment (`peagle.engine.environment.vllm_env`: the allowed variables, no secret
+        of the worker, none of this venv's Python settings; our vLLM plug-ins as its only PYTHONPATH)."""
         c = self.config
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PYTHON", "VIRTUAL_ENV")) and k != "TQDM_DISABLE"}
-        env["PYTHONPATH"] = str(PLUGINS_DIR)  # the connector module, and nothing of peagle
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{c.cpu_kv_cache_gb:g}")
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        if Path(c.model).is_dir():
-            env["HF_HUB_OFFLINE"] = "1"
-        if c.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = c.devices
-        elif self.python is not None:
-            iomp = self.python.parent.parent / "lib" / "libiomp5.so"  # vLLM CPU wants Intel OpenMP preloaded
-            if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
-                env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
-        env.update(dict(c.env))
-        return env
+        return vllm_env(python=self.python, devices=c.devices, offline=Path(c.model).is_dir(),
+                        cpu_kv_cache_gb=c.cpu_kv_cache_gb, pythonpath=[PLUGINS_DIR], extra=dict(c.env))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -246,11 +234,7 @@ class VllmServer:
         with self.log_path.open("ab") as log:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(
-                [sys.executable, str(GUARD), "--", *cmd],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.environment(), start_new_session=True,
-            )  # fmt: skip
+            self.proc = guarded(cmd, env=self.environment(), grace_s=GRACE_S, stdout=log, stderr=subprocess.STDOUT)
         deadline = t0 + self.startup_timeout_s
         with httpx.Client(timeout=5.0) as client:
             while True:
@@ -283,14 +267,7 @@ class VllmServer:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        procs.stop_group(proc, grace_s=grace_s)
 
     def __enter__(self) -> VllmServer:
         return self.start()

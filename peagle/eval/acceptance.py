@@ -1,6 +1,6 @@
 """Acceptance length, counted the way vLLM counts it: the one definition for every engine and report.
 
-Both decoders (`peagle.eval.reference` and vLLM through `peagle.eval.vllm_probe`) hand over the same
+Both decoders (`peagle.eval.reference` and vLLM through the probe, `peagle.engine.probe`) hand over the same
 raw facts, one acceptance histogram per request: `h[j]` = verification steps of that request whose
 draft had exactly `j` tokens accepted, `j = 0..K` (vLLM's own per-request `acceptance_histogram`,
 `RequestSpecDecodeMetrics`). From them, as vLLM's spec-decode counters and its log line do:

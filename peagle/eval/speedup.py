@@ -1,4 +1,4 @@
-"""Serving speedup of a draft in vLLM, from the probe's timed passes (`peagle/eval/vllm_probe.py` step 4).
+"""Serving speedup of a draft in vLLM, from the probe's timed passes (`peagle/engine/probe.py` step 4).
 
 A pass is one side (`base`: the verifier alone; `spec`: verifier + draft with parallel drafting at K)
 generating the same prompts greedily at one batch size, timed. Rounds alternate the order of the sides,

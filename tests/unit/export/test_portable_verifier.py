@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from peagle.builtin import local_verifier
-from peagle.eval.serve_check import loadable_export
+from peagle.engine.prober import loadable_export
 from peagle.pipeline import verifier_name
 from peagle.spec import preset
 
