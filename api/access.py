@@ -18,22 +18,14 @@ The CLI (`peagle train`) is not restricted: a local user may read local files.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from peagle.spec import BUILTIN_DATA, BUILTIN_PROMPT_SETS, BUILTIN_TARGETS, TrainSpec
+from peagle.spec.targets import is_hub_id
 from service.channels import dataset_id
 
 __all__ = ["access_problems", "model_allowed", "under_model_roots"]
-
-#: A hub repository id: `name` or `org/name` (what huggingface_hub accepts), never a path.
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
-
-
-def _hub_id(name: str) -> bool:
-    return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
-
 
 def under_model_roots(name: str, roots: Sequence[Path]) -> bool:
     """`name` is an absolute path whose real location (symlinks resolved) lies inside an allowed root."""
@@ -51,7 +43,7 @@ def model_allowed(name: str, roots: Sequence[Path]) -> bool:
     """Whether an API job may use `name` as its `target.model`."""
     if name.startswith("builtin:"):
         return name in BUILTIN_TARGETS
-    return _hub_id(name) or under_model_roots(name, roots)
+    return is_hub_id(name) or under_model_roots(name, roots)
 
 
 def access_problems(spec: TrainSpec, model_roots: Sequence[Path]) -> list[dict[str, str]]:

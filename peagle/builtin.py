@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from peagle.fileio import publish_dir
 from peagle.spec.schema import dataset_id
-from peagle.spec.targets import builtin_of_hub_id
+from peagle.spec.targets import builtin_of_hub_id, is_hub_id
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -173,10 +173,16 @@ def tiny_llama_dir() -> Path:
 
 
 def resolve_target(name: str) -> Path | str:
-    """Map a spec's `target.model` to something `from_pretrained` loads.
+    """Map a spec's `target.model` to what loads it.
 
-    `builtin:*` names build their offline folder; an existing local path is returned as a `Path`;
-    anything else is returned unchanged (a hub id, which needs network at run time).
+    `builtin:*` names build their offline folder; a hub id (`peagle.spec.targets.is_hub_id`: `name` or
+    `org/name`) is returned unchanged as a string, never read as a folder of the working directory
+    (`peagle.target.loader.locate_target` fetches it); any other name is a folder, returned as an absolute
+    `Path`.
+
+    Raises:
+        ValueError: an unknown `builtin:*` name.
+        FileNotFoundError: neither a hub id nor an existing folder.
     """
     if name == "builtin:smollm2-135m-instruct":
         return smollm2_dir()
@@ -184,8 +190,12 @@ def resolve_target(name: str) -> Path | str:
         return tiny_llama_dir()
     if name.startswith("builtin:"):
         raise ValueError(f"unknown builtin target {name!r}; known: builtin:smollm2-135m-instruct, builtin:tiny-llama")
+    if is_hub_id(name):
+        return name
     p = Path(name).expanduser()
-    return p if p.exists() else name
+    if not p.is_dir():
+        raise FileNotFoundError(f"{name!r} is neither a hub id ('name' or 'org/name') nor an existing folder")
+    return p.resolve()
 
 
 def local_verifier(name: str) -> Path | str:
@@ -194,9 +204,12 @@ def local_verifier(name: str) -> Path | str:
     Exports name portable verifiers (`peagle.spec.targets`); this maps them back at run time: a builtin's
     hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`) and a `builtin:*` name -> the builtin's offline folder
     (the weights the draft was trained against, loadable without network); anything else as
-    `resolve_target` maps it (an existing folder, else a hub id).
+    `resolve_target` maps it (a hub id stays one, else an existing folder).
     """
-    return resolve_target(builtin_of_hub_id(name) or name)
+    try:
+        return resolve_target(builtin_of_hub_id(name) or name)
+    except FileNotFoundError:
+        return name  # a folder of the training host that is not here: whatever loads it names the problem
 
 
 def sharegpt_path() -> Path:

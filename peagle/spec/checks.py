@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 from peagle.spec.schema import HELDOUT_PROMPT_SET, VLLM_EXTRA_FLAGS, SpecProblem, TrainSpec
-from peagle.spec.targets import NOT_FOR_VLLM
+from peagle.spec.targets import NOT_FOR_VLLM, revision_problem
 
 __all__ = ["cross_field_problems", "extra_args_problems"]
 
@@ -34,6 +34,10 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
     def bad(loc: tuple[str | int, ...], msg: str) -> None:
         out.append(SpecProblem(loc=loc, message=msg))
 
+    if spec.target.revision is not None:
+        why = revision_problem(spec.target.revision)
+        if why is not None:
+            bad(("target", "revision"), why)
     p = spec.peagle
     if p.down_sample_ratio_min > p.down_sample_ratio:
         bad(

@@ -10,7 +10,12 @@ the spec alone (torch-free: the API and the pipeline share it):
 - a builtin without one (`builtin:tiny-llama`, random weights made by `peagle.builtin`): the builtin name
   itself. No hub holds it; any peagle install rebuilds the same folder (`peagle fixtures`), and vLLM needs
   that folder named explicitly (the long `--speculative-config` form);
-- anything else (a hub id, a local folder): as the spec names it (`None`: the caller decides).
+- a hub id (`is_hub_id`): the hub id;
+- anything else (a local folder): `None` (the caller decides).
+
+A hub-shaped name (`name` or `org/name`, `is_hub_id`) is always a hub id, never a folder relative to
+the working directory (`peagle.target.loader` fetches it into the hub cache); `target.revision` is a
+branch, tag or commit name (`revision_problem`), never a path.
 
 Where something loads the verifier on this machine (the serve check, `peagle eval`), the local folder is
 resolved at run time by `peagle.builtin.local_verifier`.
@@ -18,7 +23,15 @@ resolved at run time by `peagle.builtin.local_verifier`.
 
 from __future__ import annotations
 
-__all__ = ["BUILTIN_TARGET_HUB_IDS", "NOT_FOR_VLLM", "builtin_of_hub_id", "portable_verifier"]
+import re
+
+__all__ = ["BUILTIN_TARGET_HUB_IDS", "NOT_FOR_VLLM", "builtin_of_hub_id", "is_hub_id", "portable_verifier",
+           "revision_problem"]
+
+#: A hub repository id: `name` or `org/name` (what huggingface_hub accepts), never a path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+#: A hub revision: a branch, tag or commit name (`main`, `v1.0`, `refs/pr/1`, a commit sha).
+_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,127}")
 
 #: Builtin target -> the hub id of the model it is (None: no hub original, e.g. random test weights).
 BUILTIN_TARGET_HUB_IDS: dict[str, str | None] = {
@@ -43,6 +56,25 @@ def portable_verifier(model: str, name_or_path: str | None = None) -> str | None
         return name_or_path
     if model in BUILTIN_TARGET_HUB_IDS:
         return BUILTIN_TARGET_HUB_IDS[model] or model
+    return model if is_hub_id(model) else None
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is a hub repository id (`name` or `org/name`: no other slash, no `..`, not absolute,
+    no leading `.` or `~`): such a name is a hub id and never a folder of the working directory."""
+    return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why `revision` is not a safe hub revision (a branch, tag or commit name), or None.
+
+    The hub cache reads `refs/<revision>`, so a revision is never a path: no `..`, no leading `/`, no
+    backslash, no empty segment, at most 128 characters of letters, digits and `._/-`.
+    """
+    if (_REVISION.fullmatch(revision) is None or ".." in revision or "//" in revision
+            or revision.endswith(("/", "."))):
+        return ("must be a branch, tag or commit name (letters, digits and ._/-, starting with a letter, digit "
+                f"or _; no '..', no empty path segment, at most 128 characters), got {revision!r}")
     return None
 
 

@@ -34,7 +34,7 @@ import torch
 
 from peagle.errors import EngineError, TargetLoadError
 from peagle.progress import ProgressSink
-from peagle.target.loader import TORCH_DTYPES, load_target
+from peagle.target.loader import TORCH_DTYPES, load_target, locate_target
 
 __all__ = ["ENGINE_DONE", "TargetRuntime", "feature_sources", "load_target_runtime"]
 
@@ -104,14 +104,8 @@ def load_target_runtime(resolved: Any, device: torch.device) -> TargetRuntime:
     """
     from transformers import AutoTokenizer
 
-    from peagle.builtin import resolve_target
-
     engine = resolved.resources.target_engine
     dtype = TORCH_DTYPES[resolved.target.dtype]
-    try:
-        path = resolve_target(resolved.target.model)
-    except (ValueError, FileNotFoundError) as exc:
-        raise TargetLoadError(f"target.model: {exc}") from None
     if engine == "hf":
         model, tok, path = load_target(resolved, device)
         return TargetRuntime("hf", path, tok, model, model, model.config, dtype)
@@ -122,15 +116,16 @@ def load_target_runtime(resolved: Any, device: torch.device) -> TargetRuntime:
             "resources.target_engine is 'vllm' but vLLM is not installed here: run `make vllm-env` (builds "
             ".vllm-venv, about 2 minutes) or set PEAGLE_VLLM_PYTHON, or use target_engine 'hf'"
         )
+    path = locate_target(resolved)  # a hub id's snapshot: the engine is given its absolute folder
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), revision=resolved.target.revision)
+        tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TargetLoadError(f"target.model {resolved.target.model!r} cannot be loaded: {first}") from None
     from peagle.target.parts import load_target_parts
 
     layers = range(-resolved.draft.num_layers, 0) if resolved.draft.layer_init == "target" else ()
-    parts = load_target_parts(path, dtype=dtype, revision=resolved.target.revision, layers=list(layers))
+    parts = load_target_parts(path, dtype=dtype, layers=list(layers))
     return TargetRuntime("vllm", path, tok, None, parts, parts.config, dtype, _engine_devices(resolved))
 
 
