@@ -59,16 +59,13 @@ def check_upload_allowed(session: Session, owner_id: int, settings: Settings) ->
                        headers={"Retry-After": str(max(1, min(wait, 3600)))})
 
 
-def _slots(extra: dict[str, Any], size: int) -> asyncio.Semaphore:
-    sem = extra.get("validator_slots")
-    if sem is None:
-        sem = extra["validator_slots"] = asyncio.Semaphore(size)
-    return sem
+async def run_validator(path: Path, fmt: str, settings: Settings, slots: asyncio.Semaphore) -> dict[str, Any] | None:
+    """The validator's report for `path` (None if the validator module is missing: use the fallback).
 
-
-async def run_validator(path: Path, fmt: str, settings: Settings, extra: dict[str, Any]) -> dict[str, Any] | None:
-    """The validator's report for `path` (None if the validator module is missing: use the fallback)."""
-    async with _slots(extra, settings.max_concurrent_validations):
+    `slots` bounds the validations running at once (`AppState.validator_slots`, of
+    `settings.max_concurrent_validations`); an upload waits for a free one.
+    """
+    async with slots:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "peagle.data.formats", path.name, "--format", fmt,
             "--max-row-bytes", str(settings.max_dataset_row_bytes), cwd=str(path.parent),

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from api.deps import AppState
 from api.errors import install_error_handlers
+from api.limits import BodyLimitMiddleware
 from api.retry import ReadRetryMiddleware
 from service.settings import Settings, get_settings
 
@@ -85,8 +86,14 @@ class MetricsMiddleware:
                 self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
 
 
-def _build_state(settings: Settings) -> AppState:
+def _build_state(settings: Settings, metrics: ServiceMetrics) -> AppState:
+    """The app's state: engines, sessions, producer, Redis clients and the live hub (started by the lifespan)."""
+    import asyncio
+
+    from api.live import LiveHub
+    from api.routes.streams import serialize_raw
     from service.db import upgrade
+    from service.db.aio import is_postgres, make_read_pool
     from service.db.session import make_engine, make_read_engine, make_session_factory
     from service.queue import make_producer
 
@@ -97,16 +104,21 @@ def _build_state(settings: Settings) -> AppState:
     # connection fails (that request answers 500) and SQLAlchemy then discards the whole stale pool.
     engine = make_engine(url, pool_pre_ping=False, pool_recycle=1800)
     read_engine = make_read_engine(engine)
-    state = AppState(settings=settings, engine=engine, sessions=make_session_factory(engine),
-                     producer=make_producer(settings), read_sessions=make_session_factory(read_engine),
-                     read_engine=read_engine, vllm_available=settings.vllm_available())
+    read_sessions = make_session_factory(read_engine)
+    redis_async, redis_sync = None, None
     if settings.redis_url:
         import redis
         import redis.asyncio as aioredis
 
-        state.redis = aioredis.Redis.from_url(settings.redis_url)
-        state.extra["redis_sync"] = redis.Redis.from_url(settings.redis_url)
-    return state
+        redis_async = aioredis.Redis.from_url(settings.redis_url)
+        redis_sync = redis.Redis.from_url(settings.redis_url)
+    return AppState(
+        settings=settings, engine=engine, sessions=make_session_factory(engine), producer=make_producer(settings),
+        metrics=metrics, validator_slots=asyncio.Semaphore(settings.max_concurrent_validations),
+        hub=LiveHub(read_sessions, serialize_raw, redis=redis_async), read_sessions=read_sessions,
+        read_engine=read_engine,  # the PostgreSQL read pool is opened by the lifespan
+        read_pool=make_read_pool(url, size=settings.read_pool_size) if is_postgres(url) else None,
+        redis=redis_async, redis_sync=redis_sync, vllm_available=settings.vllm_available())
 
 
 def require_secret_key(settings: Settings) -> None:
@@ -129,23 +141,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from api.live import LiveHub
-        from api.routes.streams import serialize_raw
-        from service.db.aio import is_postgres, make_read_pool
-
         # Each request thread holds at most one pooled connection: keep threads <= pool size so a
         # thread never waits for a connection held by a request that waits for a thread (deadlock).
         to_thread.current_default_thread_limiter().total_tokens = THREADS
         resolved = settings or get_settings()
         require_secret_key(resolved)
-        state = _build_state(resolved)
-        state.metrics = metrics
-        url = state.settings.resolved_database_url()
-        if is_postgres(url):
-            state.read_pool = make_read_pool(url, size=state.settings.read_pool_size)
+        state = _build_state(resolved, metrics)
+        hub = state.hub
+        if state.read_pool is not None:
             await state.read_pool.open()
-        state.hub = LiveHub(state.read_sessions or state.sessions, serialize_raw, redis=state.redis)
-        await state.hub.start()
+        await hub.start()
         app.state.peagle = state
         # Everything built so far (modules, routes, schemas, SQLAlchemy metadata) lives as long as the
         # process: move it out of the collector's reach. Without this, each full collection scanned it
@@ -160,13 +165,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             gc.set_threshold(*thresholds)
             gc.unfreeze()  # (several apps in one process, as in tests: their garbage stays collectable)
-            await state.hub.stop()
+            await hub.stop()
             if state.read_pool is not None:
                 await state.read_pool.close()
             state.producer.close()
             if state.redis is not None:
                 await state.redis.aclose()
-                state.extra["redis_sync"].close()
+            if state.redis_sync is not None:
+                state.redis_sync.close()
             state.engine.dispose()
 
     # FastAPI's native OpenTelemetry hooks are off: the service exports Prometheus metrics (/metrics), and
@@ -178,6 +184,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for module in (jobs, meta, auth, streams, checkpoints, datasets, webhooks):  # jobs first: most requests
         app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware)  # before routing: no unbounded or unauthenticated body is read
     app.add_middleware(ReadRetryMiddleware)  # inside the metrics: they count the retried answer
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if FRONTEND.is_dir():

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     webhook_allow_hosts: str = Field(default="", description="Comma-separated host names, IP addresses or CIDR "
                                      "networks webhooks may reach although they are internal (empty: none).")
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1, description="Largest dataset upload.")
+    max_request_body_bytes: int = Field(
+        default=1024 * 1024, ge=1024, description="Largest request body but a dataset upload's: a longer "
+        "`Content-Length` is 413 before the body is read, a chunked body is cut at it (413).")
     max_concurrent_jobs: int = Field(default=4, ge=1, description="Per owner: running jobs.")
     max_queued_jobs: int = Field(default=100, ge=1, description="Per owner: queued jobs.")
     max_upload_bytes_per_owner: int = Field(default=10 * 1024**3, ge=1, description="Per owner: total uploads.")

@@ -11,7 +11,8 @@ import sqlalchemy as sa
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import DB, SESSION_COOKIE, Reader, State, forget_session, releases_db, sign_token, verify_token
+from api.auth import SESSION_COOKIE, forget_session, sign_token, verify_token
+from api.deps import DB, Reader, State, releases_db
 from api.errors import ApiError
 from api.openapi import AUTH, error_responses, header
 from api.routes.jobs import load_job

@@ -167,7 +167,7 @@ def basic_check(path: Path, max_rows: int = 100_000) -> dict[str, Any]:
 
 async def validate(path: Path, fmt: str, state: AppState) -> dict[str, Any]:
     """Run the data helper's validator in a subprocess (`api.dataset_checks`); fall back to `basic_check`."""
-    report = await run_validator(path, fmt, state.settings, state.extra)
+    report = await run_validator(path, fmt, state.settings, state.validator_slots)
     return report if report is not None else await run_in_threadpool(basic_check, path)
 
 

@@ -17,12 +17,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import DB, AppState, ReadDB, Reader, State, Writer, authorize, json_ok, jsonable, releases_db
+from api.auth import authorize
+from api.deps import DB, AppState, ReadDB, Reader, State, Writer, releases_db
 from api.errors import ApiError, spec_error
 from api.estimate import estimate
 from api.history import history
 from api.openapi import AUTH, error_responses, header
 from api.preflight import Preflight, preflight
+from api.responses import json_ok, jsonable
 from api.schemas import (
     CloneRequest,
     Estimate,
@@ -270,7 +272,7 @@ def _act(state: AppState, session: Session, principal: repo.Principal, job_id: s
 
 def publish(state: AppState, job: Job) -> None:
     """Wake live streams of `job` (Redis pub/sub) after a committed change; no-op without Redis."""
-    client = state.extra.get("redis_sync")
+    client = state.redis_sync
     if client is None:
         return
     msg = wake_payload(job.id, (job.event_seq, job.metric_seq, job.log_seq), job.status)

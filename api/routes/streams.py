@@ -15,8 +15,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
-from api.deps import ReadDB, Reader, TokenReader, json_ok, releases_db
+from api.deps import ReadDB, Reader, TokenReader, releases_db
 from api.openapi import AUTH, error_responses
+from api.responses import json_ok
 from api.routes.jobs import load_job
 from api.schemas import EventPage, LogPage, MetricPage
 from service.db import repo
@@ -185,7 +186,7 @@ def _stream_route(kind: str) -> None:
         after: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Start after this seq.")] = None,
     ) -> AsyncIterable[ServerSentEvent]:
         hub = request.app.state.peagle.hub
-        keepalive = request.app.state.peagle.extra.get("keepalive_s", 10.0)
+        keepalive = request.app.state.peagle.keepalive_s
         name = EVENT_NAMES[kind]
         yield ServerSentEvent(comment="stream open", retry=2000)
         async for what, item in hub.follow(job_id, kind, _cursor(last_event_id, after), keepalive_s=keepalive):

@@ -13,9 +13,10 @@ import sqlalchemy as sa
 from fastapi import APIRouter, Query, Response
 from sqlalchemy.orm import Session
 
-from api.deps import DB, Reader, State, Writer, json_ok, releases_db
+from api.deps import DB, Reader, State, Writer, releases_db
 from api.errors import ApiError
 from api.openapi import AUTH, error_responses, header
+from api.responses import json_ok
 from api.schemas import DeliveryOut, DeliveryPage, WebhookCreate, WebhookCreated, WebhookOut, WebhookPage
 from service import ssrf
 from service.db import repo

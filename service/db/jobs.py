@@ -187,16 +187,17 @@ def apply_action(
         job.desired_state = states.PAUSED if target == states.PAUSING else states.CANCELLED
     elif target == states.QUEUED:
         job.desired_state, job.queued_at = None, now
-        job.celery_task_id = str(uuid.uuid4())  # chosen before sending: one commit, then the broker
     else:
         job.desired_state = None
     if target in states.TERMINAL:
         job.finished_at = now
+    task_id = str(uuid.uuid4())  # a resume's message: chosen before sending (one commit, then the broker)
+    if target == states.QUEUED:
+        job.celery_task_id = task_id
     repo.add_job_event(session, job, "state", f"{action} requested: {current} -> {target}",
                        data={"status": target, "previous": current, "action": action})
     session.commit()
     if target == states.QUEUED:
-        task_id = job.celery_task_id
         try:
             send(job.id, job.queue, task_id)
         except Exception as exc:
@@ -206,7 +207,7 @@ def apply_action(
     return job
 
 
-def _undo_resume(session: Session, *, job: Job, previous: str, task_id: str | None) -> None:
+def _undo_resume(session: Session, *, job: Job, previous: str, task_id: str) -> None:
     """Put a job whose resume could not be sent back to `previous` (only if still queued by that resume)."""
     job = repo.get_job(session, job.owner_id, job.id, lock=True) or job
     if job.status == states.QUEUED and job.celery_task_id == task_id:

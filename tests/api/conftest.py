@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 import uvicorn
@@ -22,6 +26,7 @@ from service.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric, utcn
 from service.db.session import make_engine, make_session_factory, session_scope
 from service.settings import Settings, get_settings
 
+ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.integration)]
 
 
@@ -217,3 +222,64 @@ class Server:
 def live_server() -> Any:
     """`with live_server(app) as srv:` runs uvicorn on a free loopback port (`srv.url`)."""
     return Server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiProcess:
+    """`uvicorn --factory api.main:create_app` in a subprocess, configured through PEAGLE_* variables."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
+        self.port = _free_port()
+        self.log = tmp_path / f"api-{self.port}.log"
+        full = {**os.environ, "PEAGLE_EMBEDDED": "false", "PEAGLE_HOME": str(tmp_path / "home"),
+                "PEAGLE_ARTIFACT_ROOT": str(tmp_path / "artifacts"), "PEAGLE_DATASET_ROOT": str(tmp_path / "datasets"),
+                "PEAGLE_SECRET_KEY": "test-secret-key-of-at-least-32-characters", **env}
+        self._log_file = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning"],
+            cwd=ROOT, env=full, stdout=self._log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the API did not start:\n" + self.log.read_text()
+            time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rss_kib(self) -> int:
+        """VmRSS of the server process (KiB)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
+
+
+def api_key(db: str, owner: str = "alice") -> dict[str, str]:
+    engine = make_engine(db)
+    try:
+        with session_scope(make_session_factory(engine)) as s:
+            return {"Authorization": f"Bearer {repo.create_key(s, owner, ['write'])[1]}"}
+    finally:
+        engine.dispose()

@@ -25,7 +25,7 @@ def _drop_connections(url: str) -> int:
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_reads_survive_dropped_database_connections(client: TestClient, alice: dict, submit: Any,
                                                     db_url: str) -> None:
-    client.app.state.peagle.extra["auth_cache_s"] = 0  # every request looks its key up (sync pool)
+    client.app.state.peagle.principals.ttl_s = 0  # every request looks its key up (sync pool)
     job = submit(client, alice, preset="tiny")
     for _ in range(8):  # open the sync pool's and the async read pool's connections
         assert client.get("/v1/jobs", headers=alice).status_code == 200

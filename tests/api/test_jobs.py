@@ -73,7 +73,7 @@ def test_revoked_key(client: TestClient, sim: Sim) -> None:
     with session_scope(sim.sessions) as s:
         assert repo.revoke_key(s, repo.parse_key(key))
     assert client.get("/v1/jobs", headers=h).status_code == 200  # cached for AUTH_CACHE_S
-    client.app.state.peagle.extra["auth_cache"].clear()  # as if AUTH_CACHE_S had passed
+    client.app.state.peagle.principals.entries.clear()  # as if AUTH_CACHE_S had passed
     assert client.get("/v1/jobs", headers=h).status_code == 401
 
 

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI, Query
 from fastapi.testclient import TestClient
 
-from api import deps
+from api import auth, responses
 from api.main import GC_YOUNG_THRESHOLD, create_app
 from api.routes.jobs import _query_parameters
 from api.schemas import JobListParams
@@ -123,13 +123,13 @@ def test_list_parameter_errors_use_the_envelope(client: TestClient, alice: dict)
 def test_revoked_key_refused_after_cache_bound(client: TestClient, sim: Sim, monkeypatch: Any) -> None:
     """A revoked key keeps working for at most AUTH_CACHE_S (per process), then is refused."""
     now = [1000.0]
-    monkeypatch.setattr(deps.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
     key = sim.key("dora", "write")
     h = {"Authorization": f"Bearer {key}"}
     assert client.get("/v1/jobs", headers=h).status_code == 200  # looked up and cached at t=1000
     with repo_session(sim) as s:
         assert repo.revoke_key(s, repo.parse_key(key))
-    now[0] += deps.AUTH_CACHE_S - 0.01
+    now[0] += auth.AUTH_CACHE_S - 0.01
     assert client.get("/v1/jobs", headers=h).status_code == 200  # still inside the bound
     now[0] += 0.02
     r = client.get("/v1/jobs", headers=h)
@@ -157,15 +157,15 @@ def test_concurrent_misses_share_one_lookup(monkeypatch: Any) -> None:
         release.wait(10)
         return principal
 
-    monkeypatch.setattr(deps, "_lookup", slow_lookup)
-    state: Any = type("S", (), {"extra": {}})()
+    monkeypatch.setattr(auth, "_lookup", slow_lookup)
+    state: Any = type("S", (), {"principals": auth.PrincipalCache()})()
 
     async def main() -> list[Any]:
-        waiters = [asyncio.ensure_future(deps._lookup_once(state, "b:k", lambda s: None)) for _ in range(20)]
+        waiters = [asyncio.ensure_future(auth._lookup_once(state, "b:k", lambda s: None)) for _ in range(20)]
         await asyncio.sleep(0.05)
         release.set()
         out = await asyncio.gather(*waiters)
-        assert state.extra["auth_inflight"] == {}  # forgotten once done: the next miss looks up again
+        assert state.principals.inflight == {}  # forgotten once done: the next miss looks up again
         return out
 
     assert asyncio.run(main()) == [principal] * 20
@@ -179,12 +179,12 @@ def test_failed_lookup_fails_waiters_and_is_retried(monkeypatch: Any) -> None:
         attempts.append(1)
         raise RuntimeError("database down")
 
-    monkeypatch.setattr(deps, "_lookup", broken)
-    state: Any = type("S", (), {"extra": {}})()
+    monkeypatch.setattr(auth, "_lookup", broken)
+    state: Any = type("S", (), {"principals": auth.PrincipalCache()})()
 
     async def main() -> None:
         for _ in range(2):
-            results = await asyncio.gather(*(deps._lookup_once(state, "b:k", lambda s: None) for _ in range(5)),
+            results = await asyncio.gather(*(auth._lookup_once(state, "b:k", lambda s: None) for _ in range(5)),
                                            return_exceptions=True)
             assert all(isinstance(r, RuntimeError) for r in results)
 
@@ -210,10 +210,10 @@ def repo_session(sim: Sim) -> Any:
 def test_json_writer() -> None:
     """`json_ok`'s bytes: orjson's, with the stdlib's output where orjson refuses valid JSON."""
     at = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
-    assert deps.dumps({"t": at, "x": [1.5, None]}) == b'{"t":"2026-01-02T03:04:05.000006Z","x":[1.5,null]}'
-    assert deps.dumps({"t": at.replace(microsecond=0)}) == b'{"t":"2026-01-02T03:04:05Z"}'
-    assert deps.dumps({"big": 2**70, 1: "k"}) == b'{"big":1180591620717411303424,"1":"k"}'
-    assert deps.dumps({"nan": float("nan")}) == b'{"nan":null}'
-    assert deps.jsonable({"big": 2**70, "t": at}) == {"big": 2**70, "t": "2026-01-02T03:04:05.000006Z"}
+    assert responses.dumps({"t": at, "x": [1.5, None]}) == b'{"t":"2026-01-02T03:04:05.000006Z","x":[1.5,null]}'
+    assert responses.dumps({"t": at.replace(microsecond=0)}) == b'{"t":"2026-01-02T03:04:05Z"}'
+    assert responses.dumps({"big": 2**70, 1: "k"}) == b'{"big":1180591620717411303424,"1":"k"}'
+    assert responses.dumps({"nan": float("nan")}) == b'{"nan":null}'
+    assert responses.jsonable({"big": 2**70, "t": at}) == {"big": 2**70, "t": "2026-01-02T03:04:05.000006Z"}
     with pytest.raises(TypeError):
-        deps.dumps({"x": object()})
+        responses.dumps({"x": object()})

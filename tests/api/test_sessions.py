@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.deps import SESSION_COOKIE, sign_token
+from api.auth import SESSION_COOKIE, sign_token
 from api.main import create_app
 
 DEFAULT_KEY = "dev-insecure-change-me"

@@ -37,12 +37,12 @@ def server(request: pytest.FixtureRequest, settings_factory: Any, live_server: A
     over = {"redis_url": request.getfixturevalue("redis_url")} if request.param == "redis" else {}
     app = create_app(settings_factory(**over))
     with live_server(app) as srv:
-        app.state.peagle.extra["keepalive_s"] = 0.5
+        app.state.peagle.keepalive_s = 0.5
         yield srv
 
 
 def _publish(server: Server, job_id: str) -> None:
-    client = server.app.state.peagle.extra.get("redis_sync")
+    client = server.app.state.peagle.redis_sync
     if client is not None:
         client.publish(f"peagle:job:{job_id}", json.dumps({"job_id": job_id}))
 
