@@ -109,3 +109,31 @@ def test_one_producer_sends_to_every_queue(broker: str, tmp_path: Path, request:
             client.delete(*sent)
             client.close()
         producer.close()
+
+
+def test_broker_down_is_a_generic_503_with_the_detail_in_the_server_log(tmp_path: Path) -> None:
+    """The client reads a clear reason; the broker's address and error are only in the server's log."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: "Error 111 connecting to 127.0.0.1:<port>"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = f"sqlite:///{tmp_path / 'service.db'}"
+    upgrade(db)
+    headers = api_key(db)
+    api = ApiProcess(tmp_path, {"PEAGLE_DATABASE_URL": db, "PEAGLE_BROKER_URL": f"redis://127.0.0.1:{port}/0"})
+    try:
+        r = httpx.post(f"{api.url}/v1/jobs", json={"preset": "tiny"}, headers=headers, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "queue_unavailable" and r.headers["Retry-After"]
+        job = httpx.get(f"{api.url}/v1/jobs", headers=headers, timeout=30).json()["data"][0]
+        assert job["status"] == "failed" and job["error"]["code"] == "queue_unavailable"
+        ready = httpx.get(f"{api.url}/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["checks"]["broker"] is False
+        for text in (r.text, json.dumps(job), ready.text):
+            for infra in ("127.0.0.1", str(port), "redis://", "Error 111", "onnection refused"):
+                assert infra not in text, (infra, text)
+        assert "the job queue is unavailable" in r.json()["error"]["message"]
+        assert str(port) in api.log.read_text()  # the detail is logged for the operator
+    finally:
+        api.close()
