@@ -21,11 +21,9 @@ from typing import Any, Literal, TypedDict
 import httpx
 
 from peagle.errors import PeagleError
+from peagle.spec.files import TRAINING_ONLY_FILES
 
-__all__ = ["TRAINING_ONLY_FILES", "JobDict", "PeagleClient", "ServiceError"]
-
-#: Checkpoint files only a resumed training run needs (vLLM never reads them).
-TRAINING_ONLY_FILES = frozenset({"training_state.pt"})
+__all__ = ["JobDict", "PeagleClient", "ServiceError"]
 
 StreamKind = Literal["events", "metrics", "logs"]
 

@@ -30,6 +30,7 @@ from api.schemas import CheckpointList, ServeCommand
 from peagle.fileio import atomic_path, atomic_write_text
 from peagle.spec import metrics as metric_keys
 from peagle.spec import portable_verifier
+from peagle.spec.files import TRAINING_ONLY_FILES
 from service.db import repo
 from service.db.models import Checkpoint, Job
 from service.settings import Settings
@@ -86,10 +87,6 @@ def _ckpt(session: Any, job: Job, step: int) -> Checkpoint:
     if ck is None:
         raise ApiError(404, "not_found", f"job {job.id} has no complete checkpoint at step {step}", param="/step")
     return ck
-
-
-#: Checkpoint files only a resumed training run reads; the archive leaves them out unless asked.
-TRAINING_ONLY_FILES = frozenset({"training_state.pt"})
 
 
 def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:

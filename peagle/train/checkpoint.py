@@ -25,6 +25,7 @@ import torch
 
 from peagle.errors import CheckpointError
 from peagle.fileio import atomic_write_json, publish_dir
+from peagle.spec.files import TRAINING_STATE_FILE
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, LOSS, TAU_SIM, eval_key
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-STATE_FILE = "training_state.pt"
 COMPLETE = "COMPLETE"
 ExtraWriter = Callable[[Path, Any], None]
 
@@ -132,7 +132,7 @@ def save_checkpoint(
     final = root / name
     # a re-save of the same step (e.g. after a resume) replaces it; fsync'ed, then renamed into place
     with publish_dir(final, tmp_name=f".tmp-{name}-{os.getpid()}", durable=True) as tmp:
-        torch.save(training_state, tmp / STATE_FILE)
+        torch.save(training_state, tmp / TRAINING_STATE_FILE)
         if extra_writer is not None:
             extra_writer(tmp, draft)
         files = []
@@ -189,8 +189,8 @@ def verify_checkpoint(path: Path, *, check_hash: bool = True) -> list[str]:
         return [f"{path.name}/meta.json unreadable: {exc}"]
     problems = []
     names = {f["path"] for f in meta.get("files", [])}
-    if STATE_FILE not in names:
-        problems.append(f"{path.name}: {STATE_FILE} not listed in meta.json")
+    if TRAINING_STATE_FILE not in names:
+        problems.append(f"{path.name}: {TRAINING_STATE_FILE} not listed in meta.json")
     for f in meta.get("files", []):
         p = path / f["path"]
         if not p.is_file():
@@ -222,6 +222,6 @@ def load_training_state(path: Path, *, map_location: str | torch.device = "cpu")
     if problems:
         raise CheckpointError("; ".join(problems))
     try:
-        return torch.load(Path(path) / STATE_FILE, map_location=map_location, weights_only=True)
+        return torch.load(Path(path) / TRAINING_STATE_FILE, map_location=map_location, weights_only=True)
     except (OSError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(f"{path}/{STATE_FILE} could not be loaded: {exc}") from exc
+        raise CheckpointError(f"{path}/{TRAINING_STATE_FILE} could not be loaded: {exc}") from exc

@@ -67,3 +67,9 @@ def test_every_phase_the_trainer_announces_is_listed() -> None:
             announced |= set(re.findall(r"_phase\(\s*sink,\s*[\"'](\w+)[\"']", text))
             announced |= set(re.findall(r"\bphase=[\"'](\w+)[\"']", text))
     assert announced and announced <= set(PHASES), announced - set(PHASES)
+
+
+def test_training_only_file_names_are_spelled_once() -> None:
+    # the checkpoint writer, the API's download and the client name them through peagle.spec.files
+    assert _where(r"[\"']training_state\.pt[\"']") == ["peagle/spec/files.py"]
+    assert _where(r"TRAINING_ONLY_FILES\s*=") == ["peagle/spec/files.py"]
