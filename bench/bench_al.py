@@ -106,7 +106,7 @@ def untrained_export(run: Path, out: Path, layer_init: str = "random") -> Path:
 
 
 def measure(name: str, export: Path, engine: str, args: argparse.Namespace) -> dict:
-    from peagle.eval.export_eval import run_eval
+    from peagle.cli.evaluate import run_eval
 
     CACHE.mkdir(parents=True, exist_ok=True)
     tag = engine if engine != "reference" or args.dtype == "float32" else f"reference-{args.dtype}"

@@ -13,7 +13,7 @@ target when `data.regenerate` is on) + `building_vocab` (`peagle.data.prepare`, 
 `capturing` (feature shards of the train and held-out rows when `resources.capture == "offline"`, through
 the engine with vllm; online with vllm the engine streams them during training), `training` (the trainer;
 every checkpoint carries the vLLM export,
-written by `export_draft` before its COMPLETE marker), then the evaluation end (`peagle.eval.job`):
+written by `export_draft` before its COMPLETE marker), then the evaluation end (`peagle.eval.final`):
 `evaluating` (AL of the best checkpoint's EXPORT, i.e. of exactly the bf16 weights vLLM will serve, by the
 resolved `eval.engine`, with vLLM's serving speedup), `exporting` (RUN/export = the best export + eval.json),
 optional `serve_check` (vLLM against the reference decoder), `done`. The run directory layout is in
@@ -155,7 +155,8 @@ def run_pipeline(
     from peagle.data.prepare import prepare_data
     from peagle.data.prompts import PromptSources
     from peagle.engine.locate import vllm_available
-    from peagle.eval.job import al_hook, evaluate_run
+    from peagle.eval.final import evaluate_run
+    from peagle.eval.live import al_hook
     from peagle.export.writer import export_draft
     from peagle.model.draft import PEagleDraft
     from peagle.target.capture import resolve_aux_layer_ids
@@ -272,7 +273,7 @@ def run_pipeline(
         )
         trainer.train()
 
-    # the evaluation end (peagle/eval/job.py): best checkpoint's AL (and serving speedup), export, serve check
+    # the evaluation end (peagle/eval/final.py): best checkpoint's AL (and serving speedup), export, serve check
     evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
                  step=trainer.step, total_steps=steps, sources=sources)
     return result

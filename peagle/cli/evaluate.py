@@ -1,5 +1,5 @@
-"""`peagle eval`: AL of an export with the reference decoder, vLLM or both, per prompt set, and (vLLM) the
-measured serving speedup.
+"""The body of `peagle eval` (its command is `peagle.cli.run.eval_cmd`): AL of an export with the reference
+decoder, vLLM or both, per prompt set, and (vLLM) the measured serving speedup.
 
     report = run_eval("runs/x/export", prompts=["humaneval", "sharegpt-heldout"], num_prompts=8,
                       max_new_tokens=64, engine="vllm", speedup=plan_speedup(4, 8))
@@ -28,7 +28,7 @@ _BULKY = ("outputs", "counters")
 def reference_dtypes(export_config: dict[str, Any], dtype: str) -> tuple[Any, Any]:
     """(target dtype, draft dtype) of a reference evaluation of an export.
 
-    `auto` is what the evaluation inside a job does (`peagle.eval.job.evaluate_export`): the target in the
+    `auto` is what the evaluation inside a job does (`peagle.eval.final.evaluate_export`): the target in the
     dtype the export is served in (its config's `torch_dtype`, bf16: about 3x faster than fp32 on a CPU
     with bf16 instructions, and what vLLM runs), the draft in fp32 (`load_exported_draft`'s default).
     `float32` / `bfloat16` put both in that dtype.

@@ -355,7 +355,7 @@ def eval_cmd(
 ) -> None:
     """Measure acceptance length (AL, vLLM's pooled definition) per prompt set and, with --speedup, the
     serving speedup of an export."""
-    from peagle.eval.export_eval import run_eval
+    from peagle.cli.evaluate import run_eval
     from peagle.eval.speedup import plan_speedup, speedup_text
     from peagle.export.writer import num_speculative_tokens_of, read_export_config
 

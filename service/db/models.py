@@ -235,7 +235,7 @@ class Checkpoint(Base):
     is_best: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     attempt: Mapped[int] = mapped_column(sa.Integer, default=0)
-    #: What the run's evaluation measured on this checkpoint (`peagle.eval.job.evaluation_summary`): engine,
+    #: What the run's evaluation measured on this checkpoint (`peagle.eval.final.evaluation_summary`): engine,
     #: AL per prompt set with its per-request spread, the serving speedup in vLLM with the hardware it ran
     #: on and the recommended K per batch size; None when it was not evaluated (only the best one is).
     evaluation: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, nullable=True, default=None)

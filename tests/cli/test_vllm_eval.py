@@ -35,7 +35,7 @@ def smollm2(smollm2_path: Path) -> tuple[Any, Any]:
 def test_job_evaluation_in_vllm_without_the_target(smollm2: Any, smollm2_path: Path, smollm2_tokenizer: Any,
                                                    tmp_path: Path) -> None:
     from api.schemas import CheckpointEvaluation
-    from peagle.eval.job import evaluate_export, evaluation_summary
+    from peagle.eval.final import evaluate_export, evaluation_summary
     from peagle.export.writer import export_draft
 
     _, draft = smollm2
@@ -68,7 +68,7 @@ def test_job_evaluation_in_vllm_without_the_target(smollm2: Any, smollm2_path: P
 def test_no_drafts_no_al_in_both_engines(smollm2: Any, smollm2_path: Path, smollm2_tokenizer: Any) -> None:
     """One new token per prompt: the prefill's token only, nothing drafted. The AL hook (vLLM on an export
     of the draft in memory, the trainer holding no target) and the reference decoder both say: not measured."""
-    from peagle.eval.job import al_hook
+    from peagle.eval.live import al_hook
 
     target, draft = smollm2
     spec = _spec(prompt_sets=[{"name": "humaneval", "num_prompts": 2}], max_new_tokens=1)

@@ -25,7 +25,7 @@ def test_serve_check_eval_lands_on_its_checkpoint() -> None:
 def test_pipeline_serve_check_names_the_checkpoint_and_rounds(
     tmp_path: Path, smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from peagle.eval import job
+    from peagle.eval import final
 
     export = tmp_path / "export"
     export.mkdir()
@@ -41,7 +41,7 @@ def test_pipeline_serve_check_names_the_checkpoint_and_rounds(
     monkeypatch.setattr("peagle.eval.serve_check.vllm_python", lambda: Path("/usr/bin/python3"))
     monkeypatch.setattr("peagle.eval.serve_check.measure_vllm", fake_measure)
     sink = RecordingSink()
-    job.serve_check(preset("demo"), export, smollm2_tokenizer, 4, sink, "target")
+    final.serve_check(preset("demo"), export, smollm2_tokenizer, 4, sink, "target")
     ev = next(r for r in sink.records if r.get("kind") == "eval")
     assert ev["checkpoint_step"] == 240
     assert ev["metrics"]["vllm_acceptance_length"] == pytest.approx(1.1951219512195121)

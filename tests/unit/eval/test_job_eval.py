@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from peagle.eval.job import _serving_summary, al_text, evaluation_summary
+from peagle.eval.final import _serving_summary, al_text, evaluation_summary
 from peagle.spec import preset
 
 
@@ -50,7 +50,7 @@ def test_a_failed_speedup_does_not_cost_the_al(tmp_path, smollm2_tokenizer, monk
     import json
 
     from peagle.errors import ResourceError
-    from peagle.eval.job import evaluate_export
+    from peagle.eval.final import evaluate_export
     from peagle.progress import RecordingSink
     from peagle.spec import parse_spec
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from peagle.eval import export_eval
+from peagle.cli import evaluate as export_eval
 from peagle.eval.reference import EvalReport
 
 
