@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ import warnings
 
 from celery import Celery, signals
 
+from peagle.engine.procs import spawn
 from service.queue import worker_argv, worker_config
 from service.settings import Settings, get_settings
 from worker.tasks import register_tasks
@@ -75,18 +75,15 @@ def stop_running_jobs(sender: object = None, how: str = "Warm", **_: object) -> 
     return pids
 
 
-def _die_with_parent() -> None:  # runs in the reaper child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_reaper(settings: Settings, queues: list[str]) -> subprocess.Popen[bytes]:
     """The reaper beside this worker (it stops when the worker process dies). On the embedded broker it
     first re-sends the queued jobs of `queues` (that broker loses messages a stopped worker had reserved)."""
     argv = [sys.executable, "-m", "worker.reaper"]
     if settings.resolved_broker_url().startswith("filesystem://"):
         argv += ["--resend-queued", ",".join(queues)]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    # The worker's whole environment (the reaper talks to the database and broker); in the worker's own
+    # process group (Ctrl-C reaches both), SIGTERM when the worker process dies.
+    return spawn(argv, env=os.environ, die_with_parent=True, death_signal=signal.SIGTERM, new_session=False)
 
 
 def main_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from peagle.engine.procs import spawn, stop_group
 from service.settings import Settings, get_settings
 
 __all__ = ["WORKER_ARGV", "ensure_dev_key", "main"]
@@ -95,8 +96,10 @@ class Services:
     def start(self, name: str, argv: list[str]) -> None:
         log = (self.logs / f"{name}.log").open("ab")
         self._files.append(log)
-        self.procs[name] = subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        # The whole environment (the API and the worker read the service's settings from it); no
+        # parent-death signal: Ctrl-C stops them in order (`stop`).
+        self.procs[name] = spawn([sys.executable, *argv], env=os.environ, stdout=log, stderr=subprocess.STDOUT,
+                                 die_with_parent=False)
 
     def dead(self) -> str | None:
         return next((n for n, p in self.procs.items() if p.poll() is not None), None)
@@ -109,15 +112,7 @@ class Services:
         proc = self.procs.get(name)
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while proc.poll() is None and time.monotonic() < deadline and not force.is_set():
-                time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
-        proc.wait()
+        stop_group(proc, grace_s=grace, interrupt=force)  # SIGTERM, SIGKILL what is left (at once on force)
 
     def close(self) -> None:
         for fh in self._files:
