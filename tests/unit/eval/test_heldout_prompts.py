@@ -43,8 +43,8 @@ def test_heldout_needs_held_out_conversations() -> None:
 
 
 def test_a_job_measures_al_on_its_own_held_out_conversations(tmp_path: Path, tiny_target_path: Path) -> None:
-    from peagle.data.prompts import run_heldout_prompts
     from peagle.cli.evaluate import run_eval
+    from peagle.data.prompts import run_heldout_prompts
     from peagle.pipeline import run_pipeline
 
     data = preset("tiny").model_dump(mode="json")

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from peagle.engine.probe import _batches
 from peagle.eval.serve_check import serving_report
 from peagle.eval.speedup import plan_speedup, recommend, speculative_config, speedup_text, summarize_speedup
-from peagle.engine.probe import _batches
 
 
 def _pass(k: int, b: int, r: int, side: str, tps: float, hists: list[list[int]] | None = None) -> dict[str, Any]:
