@@ -9,6 +9,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from peagle.spec import preset_names
+from service.db import states
+
 __all__ = [
     "CheckpointEvaluation",
     "CheckpointOut",
@@ -50,6 +53,20 @@ class ErrorEnvelope(BaseModel):
     error: ErrorBody
 
 
+def _enum(schema: dict[str, Any], values: list[Any]) -> None:
+    """State in the schema what the handler enforces (the values are checked there, with its own message)."""
+    schema["enum"] = values
+
+
+#: What `WebhookCreate.url` accepts, stated in the schema (the validator below enforces it with messages):
+#: http(s), a host, an optional user and port (0-65535), no spaces or control characters.
+WEBHOOK_URL_PATTERN = (
+    r"^[Hh][Tt][Tt][Pp][Ss]?://([^\x00-\x20\x7f/?#@]*@)?[^\x00-\x20\x7f/?#@:\[\]]+"
+    r"(:([0-9]{0,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
+    r"([/?#][^\x00-\x20\x7f]*)?$"
+)
+
+
 class JobCreate(BaseModel):
     """`{"spec": TrainSpec}` or `{"preset": name, "overrides": {...}}` (overrides deep-merge into it)."""
 
@@ -58,7 +75,8 @@ class JobCreate(BaseModel):
     spec: dict[str, Any] | None = Field(
         default=None, description="A full TrainSpec (schema: GET /v1/spec/schema). Exclusive with preset."
     )
-    preset: str | None = Field(default=None, max_length=64, description="Preset name (GET /v1/presets).")
+    preset: str | None = Field(default=None, max_length=64, description="Preset name (GET /v1/presets).",
+                               json_schema_extra=lambda schema: _enum(schema, [*preset_names(), None]))
     overrides: dict[str, Any] | None = Field(
         default=None, description="Deep-merged into the preset's spec, e.g. {\"optim\": {\"lr\": 0.001}}."
     )
@@ -185,7 +203,8 @@ class JobListParams(BaseModel):
     after: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_]*$",
                               description="Cursor: next_after of the previous page.")
     limit: int = Field(default=20, ge=1, le=200)
-    status: list[str] | None = Field(default=None, description="Filter by status (repeatable).")
+    status: list[Annotated[str, Field(json_schema_extra={"enum": list(states.ALL_STATES)})]] | None = Field(
+        default=None, description="Filter by status (repeatable); an unknown status (also an empty one) is 422.")
     tag: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")
     created_after: datetime | None = None
     q: str | None = Field(default=None, max_length=200, pattern=r"^[^\x00]*$",
@@ -490,7 +509,9 @@ class WebhookCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field(min_length=1, max_length=2048, description="http(s) URL that receives the POSTs.")
+    url: str = Field(min_length=1, max_length=2048, json_schema_extra={"format": "uri", "pattern": WEBHOOK_URL_PATTERN},
+                     description="http(s) URL that receives the POSTs (a host that resolves to an internal "
+                     "address is refused, unless `webhook_allow_hosts` names it).")
     events: list[WebhookEventType] = Field(min_length=1, max_length=5, description="Event types to receive.")
     description: str = Field(default="", max_length=500, pattern=r"^[^\x00]*$")
 
