@@ -101,6 +101,24 @@ def _provenance(device: torch.device, resolved: dict[str, Any]) -> dict[str, Any
     }
 
 
+def _finished_training(run: Path) -> tuple[int, int] | None:
+    """(step, total steps) when RUN's newest intact COMPLETE checkpoint is the last step of the run that
+    wrote RUN/resolved_spec.json (its `optim.max_steps` is the resolved total), else None."""
+    import json
+
+    from peagle.train.checkpoint import find_resumable
+
+    try:
+        total = json.loads((run / "resolved_spec.json").read_text(encoding="utf-8"))["optim"]["max_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ckpt = find_resumable(run / "checkpoints") if isinstance(total, int) else None
+    if ckpt is None or not isinstance(total, int):
+        return None
+    step = int(ckpt.name.removeprefix("step_"))
+    return (step, total) if step >= total else None
+
+
 def _write_json(path: Path, data: Any) -> None:
     atomic_write_json(path, data, indent=2, sort_keys=True, default=str, newline=True)
 
@@ -211,6 +229,14 @@ def run_pipeline(
     # the `heldout` prompt set (held-out conversations up to their answer) and uploaded prompt sets
     heldout = any(ps.name == HELDOUT_PROMPT_SET for ps in spec.eval.prompt_sets)
     sources = PromptSources(document_prompts(prepared.eval) if heldout else [], dataset_root)
+
+    finished = _finished_training(run) if resume == "auto" else None
+    if finished is not None:  # a resumed run whose training is complete: no capture engine, no training
+        done_step, steps = finished
+        sink.log("info", f"training is complete (step {done_step} of {steps}): evaluation and export only")
+        evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
+                     step=done_step, total_steps=steps, sources=sources)
+        return result
 
     _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
     # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import lease as L
-from service.db.models import JobMetric
+from service.db.models import Job, JobMetric
 from service.db.session import session_scope
 from service.settings import get_settings
 from tests.worker.conftest import new_job
@@ -88,3 +88,70 @@ def test_eval_at_the_crash_step_recovered_from_progress_jsonl_is_stored(factory:
     with session_scope(factory) as s:
         L.ingest(s, sup.lease, sup.collector.take())
     assert len(_metric_rows(factory, job_id)) == 5
+
+
+# What `peagle train` prints for its final evaluation (peagle.eval.job.evaluate_run): the AL as a metric
+# record at the last step, then the whole evaluation as an eval event naming the evaluated checkpoint.
+FINAL = [
+    {"type": "event", "kind": "phase", "phase": "evaluating", "message": "acceptance length of step_000004"},
+    {"type": "metric", "step": STEP, "epoch": 1.0, "values": {"acceptance_length": 1.5, "al_pos_0": 0.5}},
+    {"type": "event", "kind": "eval", "checkpoint": "step_000004", "checkpoint_step": STEP,
+     "metrics": {"tau_sim": 0.4, "engine": "reference", "acceptance_length": 1.5, "per_position": [0.5],
+                 "num_speculative_tokens": 3}},
+    {"type": "event", "kind": "phase", "phase": "exporting", "message": "RUN/export"},
+]
+
+
+def test_the_final_evaluation_is_one_metric_record() -> None:
+    collector = ProgressCollector()
+    for rec in FINAL:
+        collector.add(rec)
+    metrics = collector.take().metrics
+    assert [(m["step"], m["epoch"], m["values"]) for m in metrics] == [
+        (STEP, 1.0, {"acceptance_length": 1.5, "al_pos_0": 0.5, "tau_sim": 0.4, "num_speculative_tokens": 3.0})]
+
+
+def test_the_final_evaluation_of_a_resumed_attempt_is_kept_once(factory: Any) -> None:
+    job_id = _crashed_job(factory)  # metrics 1..STEP and the checkpoint at STEP stored: training complete
+    with session_scope(factory) as s:
+        s.execute(sa.update(Job).where(Job.id == job_id).values(max_restarts=5))
+        lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir="/tmp/x")
+        L.ingest(s, lease, _batch([EVAL]))  # the in-training eval at STEP: both floors now cover STEP
+        L.expire_lease(s, lease)
+        assert [a.status for a in L.reap_lapsed(s)] == ["queued"]
+    for owner in ("w3", "w4"):  # two attempts each print the final evaluation; the first one is stored
+        with session_scope(factory) as s:
+            lease = L.claim_job(s, job_id, owner=owner, lease_seconds=60, artifact_dir="/tmp/x")
+            assert lease is not None and lease.eval_floor == STEP
+            L.ingest(s, lease, _batch(FINAL))
+            L.expire_lease(s, lease)
+            L.reap_lapsed(s)
+    rows = [values for _step, values in _metric_rows(factory, job_id) if "num_speculative_tokens" in values]
+    assert len(rows) == 1 and rows[0]["acceptance_length"] == 1.5
+
+
+def _batch(records: list[dict[str, Any]]) -> L.Batch:
+    collector = ProgressCollector()
+    for rec in records:
+        collector.add(rec)
+    return collector.take()
+
+
+def test_a_final_evaluation_printed_before_a_crash_is_recovered_once(factory: Any, tmp_path: Path) -> None:
+    job_id = _crashed_job(factory)
+    settings = get_settings(home=tmp_path / "home", artifact_root=tmp_path / "artifacts",
+                            database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    run = settings.resolved_artifact_root() / job_id
+    run.mkdir(parents=True)
+    # attempt 0 printed its in-training eval and its final evaluation, then died before the next flush
+    (run / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*_train_records(), EVAL, *FINAL]))
+    with session_scope(factory) as s:
+        lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir=str(run))
+    sup = Supervisor(settings, factory, lease)
+    sup._backfill()
+    for rec in FINAL:  # the resumed trainer evaluates again: a replay
+        sup.collector.add(rec)
+    with session_scope(factory) as s:
+        L.ingest(s, sup.lease, sup.collector.take())
+    rows = [values for _step, values in _metric_rows(factory, job_id) if "num_speculative_tokens" in values]
+    assert len(rows) == 1 and rows[0]["acceptance_length"] == 1.5
