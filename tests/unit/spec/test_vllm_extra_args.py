@@ -67,3 +67,41 @@ def test_a_repeated_flag_is_refused() -> None:
 def test_well_formed_arguments_still_pass() -> None:
     assert problems(["--max-num-seqs", "64", "--enforce-eager", "--kv-cache-dtype=fp8", "--quantization",
                      "awq_marlin", "--swap-space=4.5", "--seed", "0"]) == []
+
+
+#: Parses `vllm serve --model MODEL *args` (as `peagle.engine.server` starts it) with vLLM's own parser (in its
+#: venv) and prints what it read, one line per argument list.
+_VLLM_READS = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+for args in json.loads(sys.argv[1]):
+    ns = parser.parse_args(["--model", "served-model", *args])
+    print(json.dumps({"trust_remote_code": ns.trust_remote_code, "enable_prefix_caching": ns.enable_prefix_caching,
+                      "model_tag": ns.model_tag, "quantization": ns.quantization, "max_num_seqs": ns.max_num_seqs}))
+"""
+
+
+@pytest.mark.slow
+def test_what_vllm_itself_reads_from_the_bypasses_and_from_accepted_arguments() -> None:
+    """The real `vllm serve` parser: each bypass turns on what the allow-list forbids (so the refusal matters),
+    and an accepted list reads as the checker reads it."""
+    import json
+    import subprocess
+
+    from peagle.engine.locate import vllm_python
+
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vLLM venv missing: run `make vllm-env`")
+    cases = [["--quantization=", "--trust-remote-code"], ["--quantization=", "--enable-prefix-caching"],
+             ["--quantization=", ".."], ["--max-num-seqs", "64", "--quantization=fp8", "--enforce-eager"]]
+    out = subprocess.run([str(py), "-c", _VLLM_READS, json.dumps(cases)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    trust, prefix, positional, accepted = (json.loads(line) for line in out.stdout.splitlines()[-4:])
+    assert trust["trust_remote_code"] is True and trust["quantization"] is None
+    assert prefix["enable_prefix_caching"] is True
+    assert positional["model_tag"] == ".."  # `vllm serve` serves the positional model tag instead of --model
+    assert all(problems(args) for args in cases[:3])
+    assert problems(cases[3]) == [] and (accepted["max_num_seqs"], accepted["quantization"]) == (64, "fp8")
