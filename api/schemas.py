@@ -67,10 +67,19 @@ WEBHOOK_URL_PATTERN = (
 )
 
 
+#: `JobCreate`'s rule, stated in its schema (`_resolve_spec` in api/routes/jobs.py enforces it with messages):
+#: exactly one of `spec` and `preset`, and `overrides` (non-empty) only with a preset.
+_SPEC_XOR_PRESET: dict[str, Any] = {"oneOf": [
+    {"required": ["spec"], "properties": {"spec": {"type": "object"}, "preset": {"type": "null"}, "overrides": {
+        "anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}}},
+    {"required": ["preset"], "properties": {"preset": {"type": "string"}, "spec": {"type": "null"}}},
+]}
+
+
 class JobCreate(BaseModel):
     """`{"spec": TrainSpec}` or `{"preset": name, "overrides": {...}}` (overrides deep-merge into it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_SPEC_XOR_PRESET)
 
     spec: dict[str, Any] | None = Field(
         default=None, description="A full TrainSpec (schema: GET /v1/spec/schema). Exclusive with preset."

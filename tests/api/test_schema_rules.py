@@ -40,6 +40,10 @@ def test_an_empty_or_unknown_preset_is_outside_the_schema_and_refused(client: Te
     assert not _valid(doc, schema, {"preset": "no-such-preset"})
     assert all(_valid(doc, schema, {"preset": name}) for name in preset_names())
     assert _valid(doc, schema, {"spec": {}}) and _valid(doc, schema, {"preset": None, "spec": {}})
+    for bad_body in ({}, {"preset": None}, {"preset": "tiny", "spec": {}}, {"spec": {}, "overrides": {"a": 1}}):
+        assert not _valid(doc, schema, bad_body), bad_body
+        assert client.post("/v1/jobs", json=bad_body, headers=alice).status_code == 422, bad_body
+    assert _valid(doc, schema, {"preset": "tiny", "overrides": {"optim": {"lr": 0.001}}})
     for bad in ("", "no-such-preset"):
         r = client.post("/v1/jobs", json={"preset": bad}, headers=alice)
         assert r.status_code == 422 and r.json()["error"]["param"] == "/preset", r.text
