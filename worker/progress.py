@@ -29,7 +29,7 @@ from peagle.spec.metrics import (
     eval_key,
     is_measured_al_key,
 )
-from service.db.lease import Batch
+from service.db.lease import Batch, CheckpointMetrics, MetricRecord
 from service.db.replay import FINAL_PHASES
 
 __all__ = ["ProgressCollector", "parse_line"]
@@ -93,7 +93,7 @@ class ProgressCollector:
         #: measured AL (reference decoder and vLLM) and the best checkpoint's held-out tau_sim
         self.summary: dict[str, float] = {}
         #: a final evaluation's metric record, held until its eval event (module docstring)
-        self._held: dict[str, Any] | None = None
+        self._held: MetricRecord | None = None
 
     def __len__(self) -> int:
         b = self.batch
@@ -144,12 +144,13 @@ class ProgressCollector:
             if not isinstance(step, int):
                 return
             epoch = rec.get("epoch")
-            record: dict[str, Any] = {"step": step, "epoch": float(epoch) if isinstance(epoch, int | float) else None,
-                                      "values": _finite_values(rec.get("values")), "time": when}
+            record = MetricRecord(step=step, epoch=float(epoch) if isinstance(epoch, int | float) else None,
+                                  values=_finite_values(rec.get("values")), time=when)
             self.last_metric_step = step
-            if self.phase in FINAL_PHASES:  # its numbers come again in the eval event that follows
+            if self.phase in FINAL_PHASES and self.phase is not None:  # its numbers come again in its eval event
                 self.release()
-                self._held = {**record, "final": self.phase}
+                record["final"] = self.phase
+                self._held = record
                 return
             self.batch.metrics.append(record)
         elif kind == "log":
@@ -215,7 +216,7 @@ class ProgressCollector:
             return
         values = {k: v for k, v in _eval_values(raw).items() if is_measured_al_key(k)}
         evaluation = rec.get("evaluation")
-        entry: dict[str, Any] = {"step": step, "metrics": values}
+        entry = CheckpointMetrics(step=step, metrics=values)
         if isinstance(evaluation, dict) and evaluation:
             entry["evaluation"] = evaluation
         if values or "evaluation" in entry:
@@ -235,8 +236,8 @@ class ProgressCollector:
         elif held is not None:
             self.batch.metrics.append(held)
         if values and step is not None:
-            record: dict[str, Any] = {"step": step, "epoch": epoch, "values": values, "time": when}
-            if self.phase in FINAL_PHASES:
+            record = MetricRecord(step=step, epoch=epoch, values=values, time=when)
+            if self.phase in FINAL_PHASES and self.phase is not None:
                 record["final"] = self.phase
             self.batch.metrics.append(record)
 

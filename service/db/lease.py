@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, aliased
@@ -35,10 +35,15 @@ from service.db.replay import final_evaluations, metric_floors, replayed
 __all__ = [
     "QUOTA_WAIT",
     "Batch",
+    "CheckpointMetrics",
+    "CheckpointRecord",
     "ConcurrencyLimited",
+    "EventRecord",
     "JobControl",
     "Lease",
     "LeaseLost",
+    "LogRecord",
+    "MetricRecord",
     "ReapAction",
     "add_job_event",
     "claim_job",
@@ -111,18 +116,64 @@ class JobControl:
     desired_state: str | None
 
 
+class MetricRecord(TypedDict):
+    """One metric record of a batch (a `job_metric` row)."""
+
+    step: int
+    epoch: float | None
+    values: dict[str, float]
+    time: datetime
+    #: the phase of an evaluation after training (`service.db.replay.FINAL_PHASES`): deduped once per job
+    final: NotRequired[str]
+
+
+class EventRecord(TypedDict):
+    """One event of a batch (a `job_event` row)."""
+
+    kind: str
+    phase: str | None
+    message: str
+    data: dict[str, Any]
+    time: datetime
+
+
+class LogRecord(TypedDict):
+    """One log line of a batch (a `job_log` row)."""
+
+    level: str
+    message: str
+    time: datetime
+
+
+class CheckpointRecord(TypedDict):
+    """A checkpoint the trainer saved (upserted by step)."""
+
+    step: int
+    dir: str
+    files: list[Any]
+    metrics: dict[str, float]
+    is_best: bool
+
+
+class CheckpointMetrics(TypedDict):
+    """A measurement made after a checkpoint was saved (the final AL of the best one, the serve check)."""
+
+    step: int
+    metrics: dict[str, float]
+    evaluation: NotRequired[dict[str, Any]]
+
+
 @dataclass
 class Batch:
     """Progress records to write in one transaction (built by the supervisor from the JSON lines)."""
 
-    metrics: list[dict[str, Any]] = field(default_factory=list)  # {step, epoch, values, time}
-    events: list[dict[str, Any]] = field(default_factory=list)  # {kind, phase, message, data, time}
-    logs: list[dict[str, Any]] = field(default_factory=list)  # {level, message, time}
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # {step, dir, files, metrics, is_best}
+    metrics: list[MetricRecord] = field(default_factory=list)
+    events: list[EventRecord] = field(default_factory=list)
+    logs: list[LogRecord] = field(default_factory=list)
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
     missing_checkpoint_steps: list[int] = field(default_factory=list)  # deleted by keep_last
-    #: {step, metrics, evaluation?}: measurements made after a checkpoint was saved (the final AL of the
-    #: best one, the serve check), merged into that checkpoint's metrics and evaluation.
-    checkpoint_metrics: list[dict[str, Any]] = field(default_factory=list)
+    #: merged into that checkpoint's metrics and evaluation
+    checkpoint_metrics: list[CheckpointMetrics] = field(default_factory=list)
     progress: dict[str, Any] | None = None
     phase: str | None = None
     resolved_spec: dict[str, Any] | None = None
@@ -421,7 +472,7 @@ def _merge_checkpoint_metrics(session: Session, job_id: str, step: int, metrics:
     )
 
 
-def _upsert_checkpoint(session: Session, lease: Lease, ck: dict[str, Any], now: datetime) -> None:
+def _upsert_checkpoint(session: Session, lease: Lease, ck: CheckpointRecord, now: datetime) -> None:
     step = int(ck["step"])
     fields = {"dir": str(ck["dir"]), "metrics": ck.get("metrics") or {}, "files": ck.get("files") or [],
               "complete": True, "is_best": bool(ck.get("is_best")), "attempt": lease.attempt}
