@@ -6,6 +6,13 @@ in-memory buffer and wakes its subscribers. Wake-ups come from Redis pub/sub (`p
 `PSUBSCRIBE peagle:job:*` connection per process) when `settings.redis_url` is set, else from polling
 every `poll_s` (0.5 s). A subscriber replays from the database after its `Last-Event-ID`, then follows
 the buffer; it falls back to the database whenever it is behind the buffer. The database is the truth.
+
+Waiting is lock-free: a tail wakes its subscribers by setting a one-shot `asyncio.Event` and replacing it
+(`Tail.signal`). It used an `asyncio.Condition` waited on under `asyncio.wait_for`, whose inner task
+re-took the condition's lock after a dropped subscriber had already left the `async with` (Python 3.11,
+anyio cancelling twice): `RuntimeError: Lock is not acquired`, and the lock stayed held, so every stream
+of the job went silent. A subscriber never waits longer than its keep-alive; a tail that failed, or did
+not finish a read for `stale_s`, ends its streams with an `error` (clients reconnect with Last-Event-ID).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -39,10 +47,17 @@ class Tail:
         self.rows: list[tuple[int, str]] = []  # (seq, JSON text), serialized once for every subscriber
         self.head = -1  # unknown until the first read
         self.status: str | None = None
-        self.cond = asyncio.Condition()
+        self.failed = False  # the last run ended on an error (reported to its subscribers)
+        self.beat = time.monotonic()  # when the last read cycle finished
+        self.changed = asyncio.Event()  # one-shot: set and replaced by `signal`
         self.wake = asyncio.Event()
         self.users = 0
         self.task: asyncio.Task[None] | None = None
+
+    def signal(self) -> None:
+        """Wake every subscriber waiting on the current `changed` event (they take the new one next)."""
+        done, self.changed = self.changed, asyncio.Event()
+        done.set()
 
     def after(self, cursor: int) -> list[tuple[int, str]] | None:
         """Buffered rows with seq > cursor, or None if the buffer does not reach back to `cursor`."""
@@ -68,6 +83,7 @@ class Tail:
                 if seq is None:  # the job row is gone: end every stream of it
                     self.status = GONE
                     return
+                before = (self.head, self.status)
                 if self.head < 0:
                     self.head = seq
                 while seq > self.head:
@@ -79,16 +95,17 @@ class Tail:
                     if len(self.rows) > BUFFER:
                         del self.rows[: len(self.rows) - BUFFER]
                 self.status = status
-                async with self.cond:
-                    self.cond.notify_all()
+                self.beat = time.monotonic()
+                if (self.head, self.status) != before:
+                    self.signal()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.hub.poll_s)
         except Exception:
+            self.failed = True
             log.exception("live tail %s/%s failed", self.job_id, self.kind)
         finally:
             self.hub.drop(self)
-            async with self.cond:
-                self.cond.notify_all()
+            self.signal()
 
     def _peek(self, col: Any) -> tuple[str | None, int | None]:
         with self.hub.sessions() as s:
@@ -105,11 +122,12 @@ class LiveHub:
     """Per-process registry of tails + the Redis wake-up listener."""
 
     def __init__(self, sessions: Any, serialize: Callable[[str, Any], tuple[int, str]], *,
-                 redis: Any = None, poll_s: float = 0.5) -> None:
+                 redis: Any = None, poll_s: float = 0.5, stale_s: float = 60.0) -> None:
         self.sessions = sessions
         self.serialize = serialize
         self.redis = redis
         self.poll_s = poll_s if redis is None else max(poll_s, 2.0)
+        self.stale_s = stale_s  # a tail whose read cycle is stuck this long ends its streams with an error
         self.tails: dict[tuple[str, str], Tail] = {}
         self._listener: asyncio.Task[None] | None = None
 
@@ -152,6 +170,7 @@ class LiveHub:
             tail = self.tails[(job_id, kind)] = Tail(self, job_id, kind)
         tail.users += 1
         if tail.task is None or tail.task.done():
+            tail.failed, tail.beat = False, time.monotonic()  # a fresh run (an earlier failure was reported)
             tail.task = asyncio.create_task(tail.run())
         return tail
 
@@ -166,17 +185,25 @@ class LiveHub:
 
     async def follow(self, job_id: str, kind: str, cursor: int, *, keepalive_s: float = 10.0
                      ) -> AsyncIterator[tuple[str, Any]]:
-        """Yield ("row", (seq, json)) for every row with seq > cursor in order, ("ping", None) when idle,
-        then ("end", status) once the job is terminal and every row was sent."""
+        """Yield ("row", (seq, json)) for every row with seq > cursor in order, ("ping", None) after
+        `keepalive_s` without output, then ("end", status) once the job is terminal and every row was sent,
+        or ("error", message) if the live source failed (the caller ends the stream; the client resumes
+        after its last id)."""
         tail = self.acquire(job_id, kind)
         try:
-            idle = 0.0
+            quiet_since = time.monotonic()
             while True:
+                changed = tail.changed  # taken before reading, so a signal in between is not lost
                 rows = tail.after(cursor)
                 if rows is None:  # behind the buffer (or not started): read the database
-                    rows = await to_thread.run_sync(self._read_db, job_id, kind, cursor)
+                    try:
+                        rows = await to_thread.run_sync(self._read_db, job_id, kind, cursor)
+                    except sa.exc.SQLAlchemyError as e:
+                        log.warning("live stream %s/%s: database read failed: %s", job_id, kind, e)
+                        yield "error", "the database read failed; reconnect to resume"
+                        return
                 if rows:
-                    idle = 0.0
+                    quiet_since = time.monotonic()
                     for r in rows:
                         yield "row", r
                     cursor = rows[-1][0]
@@ -187,16 +214,18 @@ class LiveHub:
                 if tail.status in states.TERMINAL and tail.head >= 0 and cursor >= tail.head:
                     yield "end", tail.status
                     return
+                if tail.failed or time.monotonic() - tail.beat > self.stale_s:
+                    yield "error", "the live source failed; reconnect to resume"
+                    return
                 if tail.task is None or tail.task.done():
                     tail = self._reacquire(tail, job_id, kind)
-                async with tail.cond:
-                    try:
-                        await asyncio.wait_for(tail.cond.wait(), timeout=min(keepalive_s, 5.0))
-                    except TimeoutError:
-                        idle += min(keepalive_s, 5.0)
-                if idle >= keepalive_s:
-                    idle = 0.0
+                    continue
+                left = keepalive_s - (time.monotonic() - quiet_since)
+                if left <= 0:
+                    quiet_since = time.monotonic()
                     yield "ping", None
+                    continue
+                await _wait(changed, min(left, 5.0))
         finally:
             self.release(tail)
 
@@ -207,6 +236,13 @@ class LiveHub:
     def _read_db(self, job_id: str, kind: str, cursor: int) -> list[tuple[int, str]]:
         with self.sessions() as s:
             return [self.serialize(kind, r) for r in repo.read_rows(s, kind, job_id, after=cursor, limit=PAGE)]
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for `event` at most `timeout_s`, in this task (no inner task, no lock: safe to cancel)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
 
 
 def wake_message(payload: bytes | str) -> dict[str, Any]:

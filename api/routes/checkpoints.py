@@ -1,6 +1,8 @@
 """Checkpoints of a job: list, per-file download (HTTP Range, sha256), deterministic archive, serve command.
 
-Only COMPLETE checkpoints are listed or served. A file is served only if the checkpoint's `files` list
+Only COMPLETE checkpoints are listed or served: a row marked complete whose folder has no `COMPLETE` marker
+any more (retention's `keep_last` deleted it, also one of an earlier attempt after a resume, which the
+worker never learns of) is neither listed nor served (404). A file is served only if the checkpoint's `files` list
 (written by the trainer, stored by the worker) names it AND its resolved path stays inside the checkpoint
 directory (no `..`, no symlink escapes). Range/If-Range/416 come from Starlette's `FileResponse`; the
 ETag is the file's sha256, so `If-Range: "<sha256>"` resumes safely.
@@ -82,11 +84,25 @@ def job_dir(settings: Settings, job: Job) -> Path:
     return root / job.id
 
 
-def _ckpt(session: Any, job: Job, step: int) -> Checkpoint:
+#: The marker the trainer writes last into a checkpoint folder (`peagle.train.checkpoint.COMPLETE`, which
+#: imports torch).
+COMPLETE_MARKER = "COMPLETE"
+
+
+def _ckpt(session: Any, settings: Settings, job: Job, step: int) -> Checkpoint:
+    """The complete checkpoint of `step` whose folder still exists, else 404."""
     ck = repo.get_checkpoint(session, job.id, step)
-    if ck is None:
+    if ck is None or not _on_disk(settings, job, ck):
         raise ApiError(404, "not_found", f"job {job.id} has no complete checkpoint at step {step}", param="/step")
     return ck
+
+
+def _on_disk(settings: Settings, job: Job, ck: Checkpoint) -> bool:
+    """Whether the checkpoint's folder is still there and complete (retention deletes old ones)."""
+    try:
+        return (_ckpt_dir(settings, job, ck) / COMPLETE_MARKER).is_file()
+    except ApiError:
+        return False
 
 
 def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:
@@ -125,9 +141,10 @@ def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
             summary="Complete checkpoints with metrics, best/latest flags and files (size, sha256)",
             responses=error_responses(*AUTH, 404, 422))
 @releases_db
-def list_checkpoints(job_id: str, session: DB, principal: Reader) -> Any:
+def list_checkpoints(job_id: str, state: State, session: DB, principal: Reader) -> Any:
     job = load_job(session, principal, job_id)
-    return {"object": "list", "data": [_checkpoint_out(job, ck) for ck in repo.list_checkpoints(session, job.id)]}
+    return {"object": "list", "data": [_checkpoint_out(job, ck) for ck in repo.list_checkpoints(session, job.id)
+                                       if _on_disk(state.settings, job, ck)]}
 
 
 def _digest_headers(sha: str) -> dict[str, str]:
@@ -144,7 +161,7 @@ def _digest_headers(sha: str) -> dict[str, str]:
 @releases_db
 def download_file(job_id: str, step: Step, path: str, state: State, session: DB, principal: DownloadReader) -> Any:
     job = load_job(session, principal, job_id)
-    ck = _ckpt(session, job, step)
+    ck = _ckpt(session, state.settings, job, step)
     entry = next((f for f in ck.files or [] if f.get("path") == path), None)
     if entry is None or path.startswith("/") or ".." in Path(path).parts:
         raise ApiError(404, "not_found", f"checkpoint {step} has no file {path!r}", param="/path")
@@ -204,7 +221,7 @@ def download_archive(
                     "several times the size of the weights).")] = False,
 ) -> Any:
     job = load_job(session, principal, job_id)
-    ck = _ckpt(session, job, step)
+    ck = _ckpt(session, state.settings, job, step)
     files = [f for f in ck.files or [] if training_state or f.get("path") not in TRAINING_ONLY_FILES]
     key = hashlib.sha256(json.dumps([job.id, step, files], sort_keys=True).encode()).hexdigest()[:16]
     dest = state.settings.home.resolve() / "cache" / "archives" / job.id / f"step_{step:06d}-{key}.tar"
@@ -247,7 +264,7 @@ def _speedup_note(serving: dict[str, Any], trained_k: int) -> str | None:
 @releases_db
 def serve_command(job_id: str, step: Step, state: State, session: DB, principal: Reader) -> Any:
     job = load_job(session, principal, job_id)
-    ck = _ckpt(session, job, step)
+    ck = _ckpt(session, state.settings, job, step)
     d = _ckpt_dir(state.settings, job, ck)
     spec = job.resolved_spec or job.spec
     named = spec.get("target") or {}

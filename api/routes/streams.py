@@ -2,8 +2,9 @@
 
 SSE wire format (FastAPI's native `fastapi.sse`): `id: <seq>` (per job, strictly increasing),
 `event: event|metric|log`, `data: <the row as JSON>`; `: keep-alive` comments when idle; a final
-`event: end` with `{"status": ...}` once the job is terminal and every row was sent. Reconnect with
-`Last-Event-ID: <seq>` (or `?after=<seq>`) to continue without loss or duplicates.
+`event: end` with `{"status": ...}` once the job is terminal and every row was sent, or `event: error`
+(`{"code": "live_unavailable", ...}`) when the live source failed. Reconnect with `Last-Event-ID: <seq>`
+(or `?after=<seq>`; both 0 .. 2**31-1, else 422) to continue without loss or duplicates.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.deps import ReadDB, Reader, TokenReader, releases_db
@@ -172,28 +174,41 @@ def _stream_job(job_id: str, session: ReadDB, principal: TokenReader) -> str:
     return job_id
 
 
-def _cursor(last_event_id: str | None, after: int | None) -> int:
-    if last_event_id and last_event_id.strip().isdigit():
-        return int(last_event_id.strip())
-    return after or 0
+MAX_SEQ = 2**31 - 1
+
+
+def _cursor(last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+            after: Annotated[int | None, Query(ge=0, le=MAX_SEQ, description="Start after this seq.")] = None,
+            ) -> int:
+    """The seq to resume after: `Last-Event-ID` (bounded like `?after=`, else 422), else `?after=`, else 0."""
+    value = (last_event_id or "").strip()
+    if not value:
+        return after or 0
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_SEQ:
+        raise RequestValidationError([{
+            "type": "last_event_id", "loc": ("header", "last-event-id"), "input": last_event_id,
+            "msg": f"must be a sequence number from 0 to {MAX_SEQ} (the `id` of an event of this stream)"}])
+    return int(value)
 
 
 def _stream_route(kind: str) -> None:
     async def stream(
         request: Request,
         job_id: Annotated[str, Depends(_stream_job)],
-        last_event_id: Annotated[str | None, Header(max_length=32)] = None,
-        after: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Start after this seq.")] = None,
+        cursor: Annotated[int, Depends(_cursor)],
     ) -> AsyncIterable[ServerSentEvent]:
         hub = request.app.state.peagle.hub
         keepalive = request.app.state.peagle.keepalive_s
         name = EVENT_NAMES[kind]
         yield ServerSentEvent(comment="stream open", retry=2000)
-        async for what, item in hub.follow(job_id, kind, _cursor(last_event_id, after), keepalive_s=keepalive):
+        async for what, item in hub.follow(job_id, kind, cursor, keepalive_s=keepalive):
             if what == "row":
                 yield ServerSentEvent(id=str(item[0]), event=name, raw_data=item[1])
             elif what == "ping":
                 yield ServerSentEvent(comment="keep-alive")
+            elif what == "error":  # the live source failed: end the stream, the client resumes after its last id
+                yield ServerSentEvent(event="error", data={"code": "live_unavailable", "message": item})
+                return
             else:
                 yield ServerSentEvent(event="end", data={"status": item})
                 return

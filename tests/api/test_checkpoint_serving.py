@@ -105,3 +105,34 @@ def test_cli_lists_the_speedup(settings_factory: Any, sim: Any, live_server: Any
         assert "speedup batch 1 1.07x faster, batch 8 0.45x (2.22x slower) on AMD EPYC (2 CPUs)" in r.output
         r = runner.invoke(cli_app, ["jobs", "checkpoints", jid, "--json"], env=env)
         assert json.loads(r.output)[0]["evaluation"]["serving"]["batch_1"]["speedup"] == 1.07
+
+
+def test_checkpoints_deleted_by_retention_after_a_resume_are_gone(client: TestClient, alice: dict, sim: Any) -> None:
+    """A crash after steps 5 and 10, a resume that saves 25 and 30: the trainer's retention (keep_last 2, the
+    best kept too) deletes 5 and 10 while the database still holds their rows (the worker of the second
+    attempt never knew them). They are not listed, and their file, archive and serve command are 404."""
+    from peagle.train.checkpoint import save_checkpoint  # real retention (torch), as the trainer runs it
+
+    job = client.post("/v1/jobs", json={"preset": "tiny"}, headers=alice).json()
+    run = sim.settings.resolved_artifact_root() / job["id"]
+    rows = []
+    for step in (5, 10, 25, 30):
+        info = save_checkpoint(run / "checkpoints", step=step, epoch=0.0, training_state={"step": step},
+                               metrics={"tau_sim": float(step)}, keep_last=2)
+        rows.append(Checkpoint(job_id=job["id"], step=step, dir=info.dir, metrics=info.metrics, files=info.files,
+                               complete=True, is_best=False))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000025", "step_000030"]
+    with session_scope(sim.sessions) as s:
+        s.add_all(rows)
+    sim.set(job["id"], artifact_dir=str(run), latest_checkpoint_step=30, best_checkpoint_step=30)
+
+    listed = client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=alice).json()["data"]
+    assert [c["step"] for c in listed] == [25, 30]
+    base = f"/v1/jobs/{job['id']}/checkpoints"
+    for step in (5, 10):
+        for url in (f"{base}/{step}/files/training_state.pt", f"{base}/{step}/archive", f"{base}/{step}/serve"):
+            r = client.get(url, headers=alice)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (url, r.text)
+    assert client.get(f"{base}/30/archive", headers=alice).status_code == 200
+    assert client.get(f"{base}/30/files/training_state.pt", headers=alice).status_code == 200
+    assert client.get(f"{base}/25/serve", headers=alice).status_code == 200
