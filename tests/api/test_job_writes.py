@@ -86,3 +86,26 @@ def test_a_resume_the_broker_refuses_is_undone(db_url: str) -> None:
             assert jobs.apply_action(s, owner_id=owner_id + 1, job_id=job_id, action="cancel", send=_sent) is None
     finally:
         engine.dispose()
+
+
+def test_concurrent_api_creations_never_pass_the_queued_quota(settings_factory: Any, live_server: Any,
+                                                              sim: Any) -> None:
+    """The same through a real server: 30 concurrent `POST /v1/jobs` against a limit of 10."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from api.main import create_app
+
+    headers = {"Authorization": f"Bearer {sim.key('carol', 'write')}"}
+    with live_server(create_app(settings_factory(max_queued_jobs=10, max_concurrent_jobs=1))) as srv:
+        httpx.get(f"{srv.url}/v1/jobs", headers=headers, timeout=30)  # the key is cached: all race the insert
+
+        def post(_: int) -> int:
+            return httpx.post(f"{srv.url}/v1/jobs", json={"preset": "tiny"}, headers=headers, timeout=60).status_code
+
+        with ThreadPoolExecutor(30) as pool:
+            statuses = sorted(pool.map(post, range(30)))
+    assert statuses == [201] * 10 + [429] * 20
+    with sim.sessions() as s:
+        assert s.scalar(sa.select(sa.func.count()).select_from(Job).where(Job.status == states.QUEUED)) == 10
