@@ -258,16 +258,17 @@ def _act(state: AppState, session: Session, principal: repo.Principal, job_id: s
     if not _ID.fullmatch(job_id):
         raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
     try:
-        job = jobs.apply_action(session, owner_id=principal.owner_id, job_id=job_id, action=action,
-                                send=state.producer.send_train, quota=_quota(state))
+        applied = jobs.apply_action(session, owner_id=principal.owner_id, job_id=job_id, action=action,
+                                    send=state.producer.send_train, quota=_quota(state))
     except jobs.QuotaExceeded as exc:
         raise _quota_error(exc) from None
     except jobs.QueueUnavailable as exc:
         raise _queue_error(exc) from None
-    if job is None:
+    if applied is None:
         raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
-    publish(state, job)
-    return job_public(job)
+    if applied.changed:
+        publish(state, applied.job)
+    return job_public(applied.job)
 
 
 def publish(state: AppState, job: Job) -> None:

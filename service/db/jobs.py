@@ -52,6 +52,18 @@ class Quota:
     max_concurrent: int
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What `apply_action` did: the job after it, and its status before (equal for an idempotent repeat)."""
+
+    job: Job
+    previous: str
+
+    @property
+    def changed(self) -> bool:
+        return self.job.status != self.previous
+
+
 def lock_owner(session: Session, *, owner_id: int) -> None:
     """Hold the owner's write lock until the session commits or rolls back.
 
@@ -152,7 +164,7 @@ def create_job(
 
 def apply_action(
     session: Session, *, owner_id: int, job_id: str, action: str, send: Send, quota: Quota | None = None
-) -> Job | None:
+) -> Applied | None:
     """Apply user `action` (`cancel`, `pause`, `resume`) to the owner's job; commit; a resumed job is sent.
 
     The job row is locked (and, for `resume` with a `quota`, the owner first, in the order the worker's
@@ -160,7 +172,8 @@ def apply_action(
     to its previous state (unless something moved it meanwhile) and raises `QueueUnavailable`.
 
     Returns:
-        The job after the action (still attached to `session`), or None when the owner has no such job.
+        The job after the action (still attached to `session`) and its status before, or None when the
+        owner has no such job.
 
     Raises:
         IllegalTransition: the action is not allowed in the job's state.
@@ -177,7 +190,7 @@ def apply_action(
     target = states.action_target(action, current)
     if target == current:
         session.commit()
-        return job
+        return Applied(job, current)
     if target == states.QUEUED and quota is not None:
         _check_quota(session, owner_id=owner_id, quota=quota)
     now = utcnow()
@@ -204,7 +217,7 @@ def apply_action(
             log.exception("queueing %s on %r failed", job.id, job.queue)
             _undo_resume(session, job=job, previous=current, task_id=task_id)
             raise QueueUnavailable(QUEUE_UNAVAILABLE_MESSAGE) from exc
-    return job
+    return Applied(job, current)
 
 
 def _undo_resume(session: Session, *, job: Job, previous: str, task_id: str) -> None:

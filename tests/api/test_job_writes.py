@@ -67,7 +67,8 @@ def test_a_resume_the_broker_refuses_is_undone(db_url: str) -> None:
             owner_id = repo.get_or_create_owner(s, "alice").id
         job_id = _create(sessions, owner_id, send=_sent, quota=None).id
         with sessions() as s:
-            assert jobs.apply_action(s, owner_id=owner_id, job_id=job_id, action="pause", send=_sent).status == "paused"
+            paused = jobs.apply_action(s, owner_id=owner_id, job_id=job_id, action="pause", send=_sent)
+            assert paused is not None and paused.job.status == "paused" and paused.changed
 
         def down(_job_id: str, _queue: str, _task_id: str) -> str:
             raise ConnectionError("Error 111 connecting to 127.0.0.1:6393. Connection refused.")
@@ -81,7 +82,11 @@ def test_a_resume_the_broker_refuses_is_undone(db_url: str) -> None:
             events = [e.message for e in repo.read_rows(s, "events", job_id)]
         assert events[-2:] == ["resume requested: paused -> queued", f"resume failed: {jobs.QUEUE_UNAVAILABLE_MESSAGE}"]
         with sessions() as s:
-            assert jobs.apply_action(s, owner_id=owner_id, job_id=job_id, action="resume", send=_sent).status == "queued"
+            resumed = jobs.apply_action(s, owner_id=owner_id, job_id=job_id, action="resume", send=_sent)
+            assert resumed is not None and resumed.job.status == "queued" and resumed.previous == "paused"
+        with sessions() as s:
+            again = jobs.apply_action(s, owner_id=owner_id, job_id=job_id, action="resume", send=_sent)
+            assert again is not None and not again.changed
         with sessions() as s:
             assert jobs.apply_action(s, owner_id=owner_id + 1, job_id=job_id, action="cancel", send=_sent) is None
     finally:
