@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     webhook_poll_seconds: float = Field(default=1.0, gt=0, description="How often the dispatcher looks for "
                                         "new job events and due deliveries.")
     max_webhooks_per_owner: int = Field(default=20, ge=1, description="Per owner: webhook endpoints.")
+    webhook_tests_per_minute: int = Field(default=5, ge=1, description="Per owner: `POST /v1/webhooks/{id}/test` "
+                                          "messages queued in any 60 s (past it: 429 with Retry-After).")
     read_pool_size: int = Field(default=4, ge=1, description="PostgreSQL only: connections per API process of "
                                 "the async pool that serves job lists on the event loop (service.db.aio); 4 kept up "
                                 "with 100 closed-loop clients (2 or 8 were no faster).")

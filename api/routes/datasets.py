@@ -15,12 +15,13 @@ import shutil
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from python_multipart.multipart import MultipartParser, parse_options_header
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.dataset_checks import FORMATS, check_upload_allowed, public_report, run_validator
-from api.deps import DB, AppState, Reader, Writer, releases_db
+from api.deps import DB, AppState, Reader, State, Writer, releases_db
 from api.errors import ApiError
 from api.openapi import AUTH, error_responses
 from api.schemas import DatasetOut, DatasetPage
@@ -203,12 +204,14 @@ async def upload_dataset(request: Request, principal: Writer) -> Any:
         raise ApiError(422, "validation_error", f"unknown format {fmt[:40]!r}; one of {', '.join(FORMATS)}",
                        param="/format", details=[{"param": "/format", "message": "unknown format"}])
     report = await validate(path, fmt, state)
+    if not report.get("ok"):  # unusable: keep the report, not the bytes (they do not count against the quota)
+        await run_in_threadpool(shutil.rmtree, folder, True)
 
     def insert() -> Dataset:
         with state.sessions() as session:
             ds = Dataset(id=ds_id, owner_id=principal.owner_id, filename=filename, path=str(path), size=size,
                          sha256=sha, format=str(report.get("format") or fmt), report=report,
-                         status="ready" if report.get("ok") else "invalid", created_at=utcnow())
+                         status=repo.DATASET_READY if report.get("ok") else repo.DATASET_INVALID, created_at=utcnow())
             session.add(ds)
             session.commit()
             return ds
@@ -227,11 +230,34 @@ def list_datasets(session: DB, principal: Reader,
     return {"object": "list", "data": data, "has_more": more, "next_after": data[-1]["id"] if data else None}
 
 
+def _load(session: Session, principal: repo.Principal, dataset_id: str) -> Dataset:
+    ds = session.get(Dataset, dataset_id) if re.fullmatch(r"[A-Za-z0-9_]{1,64}", dataset_id) else None
+    if ds is None or ds.owner_id != principal.owner_id:
+        raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param="/dataset_id")
+    return ds
+
+
 @router.get("/{dataset_id}", response_model=DatasetOut, operation_id="datasets-get", summary="Get one dataset",
             responses=error_responses(*AUTH, 404, 422))
 @releases_db
 def get_dataset(dataset_id: str, session: DB, principal: Reader) -> Any:
-    ds = session.get(Dataset, dataset_id) if re.fullmatch(r"[A-Za-z0-9_]{1,64}", dataset_id) else None
-    if ds is None or ds.owner_id != principal.owner_id:
-        raise ApiError(404, "not_found", f"no dataset {dataset_id!r}", param="/dataset_id")
-    return _out(ds)
+    return _out(_load(session, principal, dataset_id))
+
+
+@router.delete("/{dataset_id}", status_code=204, response_class=Response, operation_id="datasets-delete",
+               summary="Delete a dataset (its row and file); refused while an unfinished job names it",
+               responses=error_responses(*AUTH, 404, 409, 422, descriptions={
+                   409: "An unfinished job of the owner names the dataset (`dataset:<id>`)."}))
+@releases_db
+def delete_dataset(dataset_id: str, state: State, session: DB, principal: Writer) -> Response:
+    """Invalid uploads too; the bytes stop counting against the owner's upload quota."""
+    ds = _load(session, principal, dataset_id)
+    users = repo.jobs_using_dataset(session, owner_id=principal.owner_id, ref=dataset_ref(ds.id))
+    if users:
+        raise ApiError(409, "dataset_in_use", f"dataset {ds.id} is named by unfinished job(s) "
+                       f"{', '.join(users[:5])}; cancel them or wait until they end", param="/dataset_id")
+    folder = state.settings.resolved_dataset_root() / str(ds.owner_id) / ds.id
+    session.delete(ds)
+    session.commit()
+    shutil.rmtree(folder, ignore_errors=True)
+    return Response(status_code=204)

@@ -103,11 +103,17 @@ def delete_webhook(webhook_id: str, session: DB, principal: Writer) -> Response:
 
 @router.post("/{webhook_id}/test", status_code=202, response_model=DeliveryOut, operation_id="webhooks-test",
              summary="Queue a signed `webhook.test` message to the endpoint",
-             responses=error_responses(*AUTH, 404, 422))
+             responses=error_responses(*AUTH, 404, 422, 429))
 @releases_db
-def test_webhook(webhook_id: str, session: DB, principal: Writer) -> Any:
-    """The delivery is sent by the dispatcher within about a second; poll its status under `deliveries`."""
+def test_webhook(webhook_id: str, state: State, session: DB, principal: Writer) -> Any:
+    """The delivery is sent by the dispatcher within about a second; poll its status under `deliveries`.
+    At most `webhook_tests_per_minute` per owner (429 with Retry-After past it)."""
     ep = _load(session, principal, webhook_id)
+    limit = state.settings.webhook_tests_per_minute
+    wait = wh.test_send_wait(session, owner_id=principal.owner_id, per_minute=limit)
+    if wait:
+        raise ApiError(429, "rate_limited", f"{limit} test messages in the last minute (limit {limit} per owner)",
+                       headers={"Retry-After": str(wait)})
     d = wh.add_test_delivery(session, ep)
     session.commit()
     return json_ok(wh.delivery_out(d), 202)

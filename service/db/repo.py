@@ -35,6 +35,7 @@ __all__ = [
     "hash_key",
     "job_page",
     "job_page_select",
+    "jobs_using_dataset",
     "list_jobs",
     "owner_counts",
     "read_rows",
@@ -45,6 +46,7 @@ _IMPLIED = {"admin": {"read", "write", "admin"}, "write": {"read", "write"}, "re
 ROW_MODELS: dict[str, Any] = {"events": JobEvent, "metrics": JobMetric, "logs": JobLog}
 _UNFINISHED = tuple(sorted(set(states.ALL_STATES) - set(states.TERMINAL)))
 SEQ_COLUMNS = {"events": "event_seq", "metrics": "metric_seq", "logs": "log_seq"}
+DATASET_READY, DATASET_INVALID = "ready", "invalid"  # `Dataset.status` after validation
 
 
 @dataclass(frozen=True)
@@ -362,9 +364,20 @@ def get_checkpoint(session: Session, job_id: str, step: int) -> Checkpoint | Non
 
 
 def owner_upload_bytes(session: Session, owner_id: int) -> int:
-    """Total bytes of the owner's uploaded datasets."""
+    """Total bytes of the owner's uploaded datasets, those that failed validation aside (their file is not kept)."""
     return int(session.scalar(sa.select(sa.func.coalesce(sa.func.sum(Dataset.size), 0))
-                              .where(Dataset.owner_id == owner_id)) or 0)
+                              .where(Dataset.owner_id == owner_id, Dataset.status != DATASET_INVALID)) or 0)
+
+
+def jobs_using_dataset(session: Session, *, owner_id: int, ref: str) -> list[str]:
+    """Ids of the owner's unfinished jobs whose spec names `ref` (`dataset:<id>`) anywhere.
+
+    Scans only jobs not yet terminal (bounded by the owner's queue quota); the spec is JSON on both
+    databases, so the match is on its text.
+    """
+    specs = session.execute(sa.select(Job.id, Job.spec).where(Job.owner_id == owner_id,
+                                                              Job.status.in_(_UNFINISHED))).all()
+    return [jid for jid, spec in specs if ref in json.dumps(spec)]
 
 
 def list_datasets(session: Session, owner_id: int, after: str | None, limit: int) -> tuple[list[Dataset], bool]:

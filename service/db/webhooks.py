@@ -54,6 +54,7 @@ __all__ = [
     "seal",
     "secret_box",
     "sign",
+    "test_send_wait",
 ]
 
 #: Event types an endpoint can subscribe to.
@@ -195,6 +196,22 @@ def _fan_out_job(session: Session, job_id: str, owner_id: int, done: int, last: 
     if rows:
         session.execute(sa.insert(WebhookDelivery), rows)
     return len(rows)
+
+
+def test_send_wait(session: Session, *, owner_id: int, per_minute: int, now: datetime | None = None) -> int:
+    """Seconds until the owner may queue another `webhook.test` message (0: now): at most `per_minute` of
+    them in any 60 s, counted over all the owner's endpoints (a test is an outbound request on demand)."""
+    now = now or utcnow()
+    since = now - timedelta(seconds=60)
+    recent = session.scalars(
+        sa.select(WebhookDelivery.created_at).join(WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
+        .where(WebhookEndpoint.owner_id == owner_id, WebhookDelivery.event_type == TEST_EVENT,
+               WebhookDelivery.created_at >= since)
+        .order_by(WebhookDelivery.created_at.desc()).limit(per_minute)).all()
+    if len(recent) < per_minute:
+        return 0
+    oldest = recent[-1] if recent[-1].tzinfo is not None else recent[-1].replace(tzinfo=now.tzinfo)  # SQLite: naive
+    return max(1, int((oldest - since).total_seconds()) + 1)
 
 
 def add_test_delivery(session: Session, endpoint: WebhookEndpoint) -> WebhookDelivery:

@@ -129,3 +129,35 @@ def test_validator_subprocesses_are_capped(settings_factory: Any, sim: Any, live
             t.join()
     assert codes == [201, 201, 201]  # the excess waited for a slot
     assert running["max"] == 1
+
+
+def test_invalid_uploads_can_be_deleted_and_do_not_count_against_the_quota(settings_factory: Any, sim: Any,
+                                                                            submit: Any) -> None:
+    """An upload that failed validation keeps its report but not its bytes: they do not count against the
+    owner's byte quota, and it can be deleted (also a ready one, unless an unfinished job names it)."""
+    bad = b"{not json\n" * 400  # 4000 bytes, invalid
+    settings = settings_factory(max_upload_bytes_per_owner=len(bad) + len(ROWS) + 10)
+    with TestClient(create_app(settings)) as c:
+        h = {"Authorization": f"Bearer {sim.key('hana', 'write')}"}
+        invalid = _upload(c, h, bad).json()
+        assert invalid["status"] == "invalid"
+        for _ in range(2):  # the invalid bytes leave room for these (quota: one invalid + one ready upload)
+            r = _upload(c, h)
+            assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+        folder = settings.resolved_dataset_root()
+        assert list(folder.glob(f"*/{invalid['id']}")) == []  # the report is kept, not the bytes
+        assert c.delete(f"/v1/datasets/{invalid['id']}", headers=h).status_code == 204
+        assert c.get(f"/v1/datasets/{invalid['id']}", headers=h).status_code == 404
+        assert c.delete(f"/v1/datasets/{invalid['id']}", headers=h).status_code == 404
+        ready = c.get("/v1/datasets", headers=h).json()["data"]
+        other = {"Authorization": f"Bearer {sim.key('ivan', 'write')}"}
+        assert c.delete(f"/v1/datasets/{ready[0]['id']}", headers=other).status_code == 404
+        # a queued job names the first one: refused while it is unfinished, then allowed
+        job = submit(c, h, preset="tiny", overrides={"data": {"sources": [{"path": ready[0]["path_ref"]}]}})
+        r = c.delete(f"/v1/datasets/{ready[0]['id']}", headers=h)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "dataset_in_use" and job["id"] in r.text
+        sim.set(job["id"], status="cancelled")
+        assert c.delete(f"/v1/datasets/{ready[0]['id']}", headers=h).status_code == 204
+        assert list(folder.glob(f"*/{ready[0]['id']}")) == [] and list(folder.glob(f"*/{ready[1]['id']}"))
+        assert c.delete(f"/v1/datasets/{ready[1]['id']}", headers=h).status_code == 204
+        assert c.get("/v1/datasets", headers=h).json()["data"] == []

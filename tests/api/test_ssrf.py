@@ -90,7 +90,8 @@ def ssrf_settings(settings_factory: Any) -> Callable[..., Any]:
     """Settings with the allow-list empty (explicitly) and a fast dispatcher."""
     def make(**over: Any) -> Any:
         kw: dict[str, Any] = dict(webhook_allow_hosts="", webhook_retry_base_seconds=0.2,
-                                  webhook_poll_seconds=0.05, webhook_max_attempts=1, webhook_timeout_seconds=3)
+                                  webhook_poll_seconds=0.05, webhook_max_attempts=1, webhook_timeout_seconds=3,
+                                  webhook_tests_per_minute=100)  # one test message per spelling
         kw.update(over)
         return settings_factory(**kw)
     return make

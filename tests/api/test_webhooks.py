@@ -173,3 +173,23 @@ def test_gives_up_after_max_attempts(client, alice, receiver, dispatcher):
     d = wait_for(failed, what="the delivery to fail")[0]
     assert d["attempts"] == 3 and d["last_status_code"] == 503 and d["last_error"] == "http_status"
     assert len(rec.requests) == 3
+
+
+def test_test_messages_are_rate_limited_per_owner(client, alice, bob):
+    """`/test` queues an outbound request on demand: at most `webhook_tests_per_minute` (5) per owner in any
+    60 s, over all their endpoints; past it 429 with Retry-After. Another owner is not affected."""
+    def endpoint(headers: dict) -> str:
+        r = client.post("/v1/webhooks", json={"url": "https://example.com/hook", "events": ["job.failed"]},
+                        headers=headers)
+        assert r.status_code == 201, r.text
+        return str(r.json()["id"])
+
+    first, second = endpoint(alice), endpoint(alice)
+    for i in range(5):
+        assert client.post(f"/v1/webhooks/{(first, second)[i % 2]}/test", headers=alice).status_code == 202
+    for wid in (first, second):
+        r = client.post(f"/v1/webhooks/{wid}/test", headers=alice)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
+        assert 1 <= int(r.headers["Retry-After"]) <= 61
+    assert len(client.get(f"/v1/webhooks/{first}/deliveries", headers=alice).json()["data"]) == 3
+    assert client.post(f"/v1/webhooks/{endpoint(bob)}/test", headers=bob).status_code == 202
