@@ -15,7 +15,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from peagle.spec.metrics import (
@@ -29,10 +32,10 @@ from peagle.spec.metrics import (
     eval_key,
     is_measured_al_key,
 )
-from service.db.lease import Batch, CheckpointMetrics, MetricRecord
+from service.db.lease import Batch, CheckpointMetrics, Lease, MetricRecord
 from service.db.replay import FINAL_PHASES
 
-__all__ = ["ProgressCollector", "parse_line"]
+__all__ = ["ProgressCollector", "Recovered", "parse_line", "recover"]
 
 _MAX_MESSAGE = 8000
 #: The numbers an eval event's default message shows.
@@ -265,3 +268,78 @@ class ProgressCollector:
             "percent": round(100.0 * step / total, 2) if total else None,
             "seconds_remaining": remaining,
         }
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What `recover` filed: the floors and stored final evaluations the attempt continues with."""
+
+    metric_floor: int | None
+    eval_floor: int | None
+    final_evaluations: frozenset[str]
+    records: int
+
+
+def recover(*, path: Path, lease: Lease, collector: ProgressCollector, redact: Callable[[Any], Any]
+            ) -> Recovered | None:
+    """File into `collector` what a killed attempt printed to RUN/progress.jsonl (`path`) but never stored.
+
+    A trainer killed between printing a record and the supervisor's next flush leaves a newer checkpoint
+    on disk than metrics in the database; the resumed trainer restarts after that checkpoint, so those
+    steps would be a gap. Metrics above the lease's floors and unknown checkpoints are filed (dedup on
+    (step, kind)), and the floors rise to what was filed (the resumed trainer's replays are then dropped).
+    An evaluation after training (`FINAL_PHASES`, e.g. a crash during `evaluating` after the final AL was
+    printed) is filed once if its phase's evaluation is not stored yet. None when there is no file.
+
+    Args:
+        path: RUN/progress.jsonl (every attempt appends to it).
+        lease: the new attempt's lease (its floors, latest checkpoint and stored final evaluations).
+        collector: receives the records (redacted).
+        redact: what a record becomes before it is filed (`Redactor.value`).
+    """
+    if not path.exists():
+        return None
+    floor, eval_floor = lease.metric_floor, lease.eval_floor
+    seen: set[tuple[int, tuple[str, ...]]] = set()
+    known = lease.latest_checkpoint_step
+    top, top_eval = floor, eval_floor
+    phase: str | None = None  # the phase each record was printed in
+    finals: set[str] = set()
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            rec = parse_line(line)
+            if rec is None:
+                continue
+            if rec["type"] == "event" and rec.get("kind") == "phase":
+                phase = str(rec.get("phase") or "") or None
+                continue
+            if phase in FINAL_PHASES:
+                if phase not in finals | lease.final_evaluations and (rec["type"] == "metric" or rec.get("kind") == "eval"):
+                    collector.phase = phase  # the collector marks and merges what it files
+                    collector.add(redact(rec))
+                    if rec.get("kind") == "eval":
+                        finals.add(str(phase))
+                continue
+            if rec["type"] == "metric" and isinstance(rec.get("step"), int):
+                key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
+                if (floor is None or rec["step"] > floor) and key not in seen:
+                    seen.add(key)
+                    collector.add(redact(rec))
+                    top = rec["step"] if top is None else max(top, rec["step"])
+            elif rec["type"] == "event" and rec.get("kind") == "checkpoint" and int(rec.get("step") or 0) > (known or 0):
+                collector.add(redact(rec))
+            elif rec["type"] == "event" and rec.get("kind") == "eval" and isinstance(rec.get("step"), int) \
+                    and (eval_floor is None or rec["step"] > eval_floor):
+                key = (rec["step"], ("eval",))
+                if key not in seen:
+                    seen.add(key)
+                    collector.add(redact(rec))
+                    top_eval = rec["step"] if top_eval is None else max(top_eval, rec["step"])
+    collector.phase = None
+    collector.discard_held()  # a final record whose event was never printed: measured again
+    count = len(seen) + len(finals)
+    if count:
+        collector.log("warning", f"recovered {count} metric record(s) of the previous attempt from progress.jsonl "
+                                 f"(up to step {max(top or 0, top_eval or 0)})")
+    return Recovered(metric_floor=top, eval_floor=top_eval, final_evaluations=lease.final_evaluations | frozenset(finals),
+                     records=count)

@@ -60,11 +60,10 @@ from service.db.lease import (
     record_task_id,
     requeue_crashed,
 )
-from service.db.replay import FINAL_PHASES
 from service.db.session import session_scope
 from service.settings import Settings
 from worker.live import Publisher
-from worker.progress import ProgressCollector, parse_line
+from worker.progress import ProgressCollector, recover
 from worker.provenance import read_json, worker_provenance
 from worker.redact import Redactor
 from worker.trainer import build_command, classify_exit, start_trainer, trainer_env, trainer_environment
@@ -281,65 +280,15 @@ class Supervisor:
         return self.redact.value(resolved)
 
     def _backfill(self) -> None:
-        """Recover what a killed attempt printed but never stored, from RUN/progress.jsonl.
-
-        A trainer killed between printing a record and the supervisor's next flush leaves a newer
-        checkpoint on disk than metrics in the database; the resumed trainer restarts after that
-        checkpoint, so those steps would be a gap. The trainer also appends every record to
-        RUN/progress.jsonl: metrics above the stored floor and unknown checkpoints are ingested from it,
-        and the floor rises to what was recovered (the resumed trainer's replays are then dropped).
-        An evaluation after training (`FINAL_PHASES`, e.g. a crash during `evaluating` after the final AL
-        was printed) is recovered once if its phase's evaluation is not stored yet.
-        """
-        path = self.run_dir / "progress.jsonl"
-        if not path.exists():
+        """Recover what a killed attempt printed but never stored, from RUN/progress.jsonl
+        (`worker.progress.recover`), store it with the old floors, then raise them."""
+        found = recover(path=self.run_dir / "progress.jsonl", lease=self.lease, collector=self.collector,
+                        redact=self.redact.value)
+        if found is None:
             return
-        floor, eval_floor = self.lease.metric_floor, self.lease.eval_floor  # dedup on (step, kind)
-        seen: set[tuple[int, tuple[str, ...]]] = set()
-        known = self.lease.latest_checkpoint_step
-        top, top_eval = floor, eval_floor
-        phase: str | None = None  # the phase each record was printed in (attempts append to one file)
-        finals: set[str] = set()
-        with path.open(encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                rec = parse_line(line)
-                if rec is None:
-                    continue
-                if rec["type"] == "event" and rec.get("kind") == "phase":
-                    phase = str(rec.get("phase") or "") or None
-                    continue
-                if phase in FINAL_PHASES:
-                    done = finals | self.lease.final_evaluations
-                    if phase not in done and (rec["type"] == "metric" or rec.get("kind") == "eval"):
-                        self.collector.phase = phase  # the collector marks and merges what it files
-                        self.collector.add(self.redact.value(rec))
-                        if rec.get("kind") == "eval":
-                            finals.add(str(phase))
-                    continue
-                if rec["type"] == "metric" and isinstance(rec.get("step"), int):
-                    key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
-                    if (floor is None or rec["step"] > floor) and key not in seen:
-                        seen.add(key)
-                        self.collector.add(self.redact.value(rec))
-                        top = rec["step"] if top is None else max(top, rec["step"])
-                elif rec["type"] == "event" and rec.get("kind") == "checkpoint" and \
-                        int(rec.get("step") or 0) > (known or 0):
-                    self.collector.add(self.redact.value(rec))
-                elif rec["type"] == "event" and rec.get("kind") == "eval" and isinstance(rec.get("step"), int) \
-                        and (eval_floor is None or rec["step"] > eval_floor):
-                    key = (rec["step"], ("eval",))
-                    if key not in seen:
-                        seen.add(key)
-                        self.collector.add(self.redact.value(rec))
-                        top_eval = rec["step"] if top_eval is None else max(top_eval, rec["step"])
-        self.collector.phase = None
-        self.collector.discard_held()  # a final record whose event was never printed: measured again
-        if seen or finals:
-            self.collector.log("warning", f"recovered {len(seen) + len(finals)} metric record(s) of the previous "
-                                          f"attempt from progress.jsonl (up to step {max(top or 0, top_eval or 0)})")
-        self._flush()  # with the old floors, then raise them
-        self.lease = replace(self.lease, metric_floor=top, eval_floor=top_eval,
-                             final_evaluations=self.lease.final_evaluations | frozenset(finals))
+        self._flush()
+        self.lease = replace(self.lease, metric_floor=found.metric_floor, eval_floor=found.eval_floor,
+                             final_evaluations=found.final_evaluations)
         self.collector.checkpoints_seen = 0
 
     def _supervise(self, argv: list[str]) -> str:
