@@ -143,7 +143,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- database
 
-    def _flush(self, final: bool = False) -> None:
+    def _flush(self, *, final: bool = False) -> None:
         """Write the pending batch (retrying later on database errors); raises LeaseLost."""
         self._pick_up_run_files(force=final)
         if final:
@@ -213,10 +213,12 @@ class Supervisor:
         try:
             spec = parse_spec(self.lease.spec)  # validated by the API; parsed once, here
         except SpecInvalidError as exc:
-            return self._end(states.FAILED, exc.code, str(exc), False, ("error", f"{exc.code}: {exc}"))
+            return self._end(states.FAILED, code=exc.code, message=str(exc), retryable=False,
+                             event=("error", f"{exc.code}: {exc}"))
         spec, missing = self._resolve_datasets(spec)
         if missing:
-            return self._end(states.FAILED, "data_invalid", missing, False, ("error", f"data_invalid: {missing}"))
+            return self._end(states.FAILED, code="data_invalid", message=missing, retryable=False,
+                             event=("error", f"data_invalid: {missing}"))
         spec_path = self.run_dir / "job_spec.json"
         atomic_write_json(spec_path, spec.model_dump(mode="json"), indent=2)
         argv = build_command(settings=self.settings, spec=spec, spec_path=spec_path, run_dir=self.run_dir)
@@ -297,8 +299,8 @@ class Supervisor:
             self.proc = start_trainer(argv=argv, env=env)
         except OSError as exc:
             log.warning("job %s: cannot start the trainer: %s", self.lease.job_id, exc)
-            return self._end(states.FAILED, "trainer_start_failed",
-                             f"cannot start the trainer: {exc.strerror or type(exc).__name__}", False)
+            return self._end(states.FAILED, code="trainer_start_failed", retryable=False,
+                             message=f"cannot start the trainer: {exc.strerror or type(exc).__name__}")
         self.collector.event("trainer", "trainer started")  # its pid is in the worker log, not the tenant's events
         streams: list[tuple[IO[str] | None, str]] = [(self.proc.stdout, "out"), (self.proc.stderr, "err")]
         readers = [threading.Thread(target=self._reader, args=(st, n), daemon=True) for st, n in streams]
@@ -365,25 +367,25 @@ class Supervisor:
             self.term_sent_at is not None and self.collector.checkpoints_seen > self.checkpoints_at_term)
         where = f"checkpoint step {step}" if step is not None else "the last complete checkpoint"
         if status == states.CANCELLING:
-            return self._end(states.CANCELLED, None, None, None, ("cancelled", "cancelled by request"))
+            return self._end(states.CANCELLED, event=("cancelled", "cancelled by request"))
         if rc == 0:
             late = " (the pause request came after the last step)" if status == states.PAUSING else ""
-            return self._end(states.SUCCEEDED, None, None, None, ("succeeded", "training finished" + late))
+            return self._end(states.SUCCEEDED, event=("succeeded", "training finished" + late))
         if status == states.PAUSING and (stopped_cleanly or self.kill_sent):
-            return self._end(states.PAUSED, None, None, None, ("paused", f"paused; resume continues from {where}"))
+            return self._end(states.PAUSED, event=("paused", f"paused; resume continues from {where}"))
         if self.shutdown and stopped_cleanly:
-            return self._requeue(f"worker shut down; requeued, resumes from {where}")
+            return self._requeue(message=f"worker shut down; requeued, resumes from {where}")
         if rc < 0 or rc == EXIT_CODES["interrupted"]:
             name = signal.Signals(-rc).name if rc < 0 else "SIGTERM"
             why = f"trainer killed by {name}" + (" (the kernel OOM killer sends SIGKILL)" if rc == -9 else "")
-            return self._crash(why, "host_oom" if rc == -9 else "trainer_killed")
+            return self._crash(why=why, code="host_oom" if rc == -9 else "trainer_killed")
         failure = classify_exit(returncode=rc, stderr_tail=list(self.stderr_tail), last_error=self.collector.last_error)
         if failure.restart:  # a new attempt resumes from what was done (regeneration cache, checkpoints)
-            return self._crash(f"{failure.code}: {self.redact.text(failure.message)}", failure.code)
-        return self._end(states.FAILED, failure.code, failure.message, failure.retryable,
-                         ("error", f"{failure.code}: {failure.message}"))
+            return self._crash(why=f"{failure.code}: {self.redact.text(failure.message)}", code=failure.code)
+        return self._end(states.FAILED, code=failure.code, message=failure.message, retryable=failure.retryable,
+                         event=("error", f"{failure.code}: {failure.message}"))
 
-    def _end(self, status: str, code: str | None, message: str | None, retryable: bool | None,
+    def _end(self, status: str, *, code: str | None = None, message: str | None = None, retryable: bool | None = None,
              event: tuple[str, str] | None = None) -> str:
         message = self.redact.text(message) if message is not None else None
         event = (event[0], self.redact.text(event[1])) if event is not None else None
@@ -396,12 +398,12 @@ class Supervisor:
             self.publisher.publish_status(self.lease.job_id, status)
         return status
 
-    def _requeue(self, message: str) -> str:
+    def _requeue(self, *, message: str) -> str:
         # No message is sent here: the worker is stopping and could still take it (then die with it).
         # The job is queued with no task id, so a reaper sends it once a worker is there.
-        return self._end(states.QUEUED, None, None, None, ("interrupted", message))
+        return self._end(states.QUEUED, event=("interrupted", message))
 
-    def _crash(self, why: str, code: str) -> str:
+    def _crash(self, *, why: str, code: str) -> str:
         with session_scope(self.factory) as s:
             act = requeue_crashed(s, self.lease, reason=why, code=code)
         if act is None:
