@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from api.deps import AppState
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
-from api.retry import ReadRetryMiddleware
+from api.retry import RetryMiddleware
 from service.settings import Settings, get_settings
 
 __all__ = ["create_app", "require_secret_key"]
@@ -185,7 +185,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (jobs, meta, auth, streams, checkpoints, datasets, webhooks):  # jobs first: most requests
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware)  # before routing: no unbounded or unauthenticated body is read
-    app.add_middleware(ReadRetryMiddleware)  # inside the metrics: they count the retried answer
+    app.add_middleware(RetryMiddleware)  # inside the metrics: they count the retried answer
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if FRONTEND.is_dir():
         from fastapi.staticfiles import StaticFiles
