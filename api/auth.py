@@ -7,7 +7,7 @@ A session cookie names a server-side `auth_session` row: sign-out revokes it (th
 once, other API processes within `AUTH_CACHE_S`), and a cookie signed with a leaked key but naming no live
 session is refused. A stream token names its key, ONE job and ONE purpose (`stream` or `download`); it is
 refused on any other job's routes, on routes of the other purpose, and as a cookie. Revoking the API key
-invalidates both.
+invalidates both; a token minted by a browser session also names the session and dies with it (sign-out).
 
 The FastAPI dependencies built on this (`Reader`, `Writer`, ...) are in `api.deps`.
 """
@@ -168,13 +168,17 @@ async def authenticate(request: Request, state: AppState, token: str | None, pur
                 or payload.get("j") != request.path_params.get("job_id") or not isinstance(payload.get("k"), int)):
             raise ApiError(401, "unauthorized", "invalid or expired stream token (a token is for one job and "
                            "one purpose)")
-        key_id = int(payload["k"])
-        cache_key = f"k:{key_id}"
+        key_id, session_id = int(payload["k"]), payload.get("s")
+        # A token minted by a browser session names it: it dies with the session (sign-out), through the
+        # same `s:` cache entry as the cookie, which sign-out drops. One minted with an API key names none.
+        load: Load = (functools.partial(_principal_from_session, session_id=session_id) if isinstance(session_id, str)
+                      else functools.partial(_principal_from_key_id, key_id=key_id))
+        cache_key = f"s:{session_id}" if isinstance(session_id, str) else f"k:{key_id}"
         principal = _cached(state, cache_key)
         if principal is _MISS:
-            principal = await _lookup_once(state, cache_key, functools.partial(_principal_from_key_id, key_id=key_id))
-        if principal is None:
-            raise ApiError(401, "unauthorized", "the API key behind this token was revoked")
+            principal = await _lookup_once(state, cache_key, load)
+        if principal is None or principal.key_id != key_id:
+            raise ApiError(401, "unauthorized", "the session or API key behind this token was signed out or revoked")
         return repo.Principal(principal.owner_id, principal.owner_name, principal.key_id,
                               principal.scopes & {"read"})
     raw = request.cookies.get(SESSION_COOKIE)

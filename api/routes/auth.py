@@ -87,9 +87,14 @@ def whoami(principal: Reader) -> Any:
              summary="A short-lived read-only `?token=` for one job's streams or checkpoint downloads",
              responses=error_responses(400, *AUTH, 404, 422))
 @releases_db
-def stream_token(body: StreamTokenCreate, state: State, session: DB, principal: Reader) -> Any:
+def stream_token(body: StreamTokenCreate, request: Request, state: State, session: DB, principal: Reader) -> Any:
+    """Minted by a browser session, the token names the session too: signing out revokes it."""
     load_job(session, principal, body.job_id)  # 404 unless the caller may read it
     exp = int(time.time()) + STREAM_TOKEN_TTL_S
-    token = sign_token(state.settings.secret_key, {"t": "stream", "k": principal.key_id, "j": body.job_id,
-                                                   "p": body.purpose, "exp": exp})
+    claims: dict[str, Any] = {"t": "stream", "k": principal.key_id, "j": body.job_id, "p": body.purpose, "exp": exp}
+    raw = None if request.headers.get("authorization") else request.cookies.get(SESSION_COOKIE)
+    signed_in = verify_token(state.settings.secret_key, raw, "session") if raw else None
+    if signed_in is not None and isinstance(signed_in.get("s"), str):  # the caller authenticated by this cookie
+        claims["s"] = signed_in["s"]
+    token = sign_token(state.settings.secret_key, claims)
     return {"token": token, "expires_at": datetime.fromtimestamp(exp, UTC)}
