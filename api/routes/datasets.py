@@ -216,7 +216,11 @@ async def upload_dataset(request: Request, principal: Writer) -> Any:
             session.commit()
             return ds
 
-    return _out(await run_in_threadpool(insert))
+    try:
+        return _out(await run_in_threadpool(insert))
+    except BaseException:  # no row, no file (a dropped connection's retry uploads it again under a new id)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 @router.get("", response_model=DatasetPage, operation_id="datasets-list", summary="List datasets (newest first)",
