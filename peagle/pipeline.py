@@ -112,7 +112,9 @@ def _finished_training(run: Path) -> tuple[int, int] | None:
         total = json.loads((run / "resolved_spec.json").read_text(encoding="utf-8"))["optim"]["max_steps"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    ckpt = find_resumable(run / "checkpoints") if isinstance(total, int) else None
+    # files and sizes, not hashes: the evaluation after training reads the checkpoint as it is either way,
+    # and a resumed run that is not complete should not hash its checkpoint twice (the Trainer does)
+    ckpt = find_resumable(run / "checkpoints", check_hash=False) if isinstance(total, int) else None
     if ckpt is None or not isinstance(total, int):
         return None
     step = int(ckpt.name.removeprefix("step_"))
