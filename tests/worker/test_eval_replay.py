@@ -90,7 +90,7 @@ def test_eval_at_the_crash_step_recovered_from_progress_jsonl_is_stored(factory:
     assert len(_metric_rows(factory, job_id)) == 5
 
 
-# What `peagle train` prints for its final evaluation (peagle.eval.job.evaluate_run): the AL as a metric
+# What `peagle train` prints for its final evaluation (`peagle.eval.final.evaluate_run`): the AL as a metric
 # record at the last step, then the whole evaluation as an eval event naming the evaluated checkpoint.
 FINAL = [
     {"type": "event", "kind": "phase", "phase": "evaluating", "message": "acceptance length of step_000004"},
