@@ -140,9 +140,9 @@ def child(data_file: Path, segments: int, threads: int, steps: int = 1, tensors:
     from bench.bench_train_step import FixedSource
     from peagle.builtin import smollm2_dir
     from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.progress import RecordingSink
     from peagle.spec import parse_spec
     from peagle.train.loop import Trainer
-    from peagle.progress import RecordingSink
 
     torch.set_num_threads(threads)
     data = torch.load(data_file, weights_only=True)
