@@ -178,6 +178,8 @@ class LiveHub:
         tail.users -= 1
         if tail.users <= 0:
             tail.wake.set()
+            if tail.task is None or tail.task.done():  # its run ended (failed, job gone) before its last user left
+                self.drop(tail)
 
     def drop(self, tail: Tail) -> None:
         if self.tails.get((tail.job_id, tail.kind)) is tail and tail.users <= 0:
