@@ -51,6 +51,7 @@ from service.db.lease import (
     Batch,
     Lease,
     LeaseLost,
+    complete_checkpoint_steps,
     dataset_files,
     finish,
     heartbeat,
@@ -224,6 +225,7 @@ class Supervisor:
         argv = build_command(settings=self.settings, spec=spec, spec_path=spec_path, run_dir=self.run_dir)
         with session_scope(self.factory) as s:
             tenant = job_owner_id(s, self.lease.job_id)
+            self._known_steps = complete_checkpoint_steps(s, self.lease.job_id)  # earlier attempts' too
         regen_cache = self.settings.home.resolve() / "cache" / f"owner-{tenant}" / "regenerate" if tenant is not None else None
         self.engine_env = trainer_environment(spec=spec, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
                                               regen_cache=regen_cache)

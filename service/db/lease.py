@@ -358,6 +358,14 @@ def job_owner_id(session: Session, job_id: str) -> int | None:
     return session.scalar(sa.select(Job.owner_id).where(Job.id == job_id))
 
 
+def complete_checkpoint_steps(session: Session, job_id: str) -> set[int]:
+    """The steps of the job's checkpoints recorded complete, by every attempt so far (a resumed attempt's
+    retention may delete them: the supervisor marks those it no longer finds)."""
+    rows = session.execute(sa.select(Checkpoint.step).where(Checkpoint.job_id == job_id,
+                                                            Checkpoint.complete.is_(True)))
+    return {int(step) for (step,) in rows}
+
+
 def job_status(session: Session, job_id: str) -> str | None:
     """The job's current status (None: no such job)."""
     return session.execute(sa.select(Job.status).where(Job.id == job_id)).scalar()

@@ -4,6 +4,7 @@
 
 "Weights" are one float updated deterministically per step, so an interrupted-and-resumed run ends with
 exactly the weights of an uninterrupted one. Knobs (environment): FAKE_STEP_SECONDS (sleep per step),
+FAKE_KEEP_LAST (only the newest N step folders stay, as the real trainer's retention; 0 keeps all),
 FAKE_ENGINE_FAIL_ATTEMPTS (comma-separated attempts, `PEAGLE_ATTEMPT`, whose "target engine" dies after
 their first checkpoint: exit 11, `engine_failed`). With `PEAGLE_REGEN_CACHE` it "regenerates" into that
 cache once (a file) and reports how many cached answers it found (`regen_cached` of the resumed event).
@@ -54,6 +55,12 @@ def save(run, step, w, best):
 
         shutil.rmtree(final)
     tmp.rename(final)
+    keep = int(os.environ.get("FAKE_KEEP_LAST", "0"))  # retention as the real trainer's keep_last does it
+    if keep:
+        import shutil
+
+        for old in sorted(ck.glob("step_*"))[:-keep]:
+            shutil.rmtree(old)
     (ck / "state.json").write_text(json.dumps({"latest": name, "best": name, "best_metric": -w}))
     emit({"type": "event", "kind": "checkpoint", "step": step, "dir": f"checkpoints/{name}",
           "files": [{"path": "model.safetensors", "size": len(repr(w)), "sha256": "0" * 64}],

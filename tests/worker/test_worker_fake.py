@@ -194,3 +194,23 @@ def test_two_workers_never_run_the_same_job(make_stack, backend, spec_for):
     starts = [e for e in stack.rows(JobEvent, job_id) if e.kind == "started"]
     assert len(starts) == 1
     _assert_metrics_complete(stack, job_id, 20)
+
+
+def test_retention_after_a_resume_unlists_the_first_attempts_checkpoints(make_stack, spec_for):
+    """A resumed attempt's retention deletes checkpoints the first attempt recorded: their rows stop being
+    complete (they stayed listed, `[5, 10, 25, 30]` with only 25 and 30 on disk)."""
+    stack = make_stack("embedded")
+    stack.start_reaper()
+    stack.start_worker(env={"FAKE_STEP_SECONDS": "0.05", "FAKE_KEEP_LAST": "2"})
+    job_id = stack.submit(spec_for(steps=60, every=10))
+    stack.wait(job_id, lambda j: (j.latest_checkpoint_step or 0) >= 20, 60, "two checkpoints")
+    import os
+    import signal
+
+    os.kill(_trainer_pid(stack, job_id), signal.SIGKILL)
+    job = stack.wait_status(job_id, "succeeded", "failed", timeout=60)
+    assert job.status == "succeeded" and job.attempt == 1, (job.error_code, job.error_message, stack.logs())
+    with stack.factory() as s:
+        listed = [c.step for c in s.query(Checkpoint).filter_by(job_id=job_id, complete=True)
+                  .order_by(Checkpoint.step)]
+    assert listed == [50, 60]
