@@ -202,10 +202,24 @@ class Stack:
     # ------------------------------------------------------------------ jobs
 
     def submit(self, spec: dict[str, Any], *, max_restarts: int | None = None) -> str:
-        """Insert a queued job for a test owner and send it to the broker (as the API does)."""
-        from service.db.models import Job, Owner, utcnow
-        from service.db.session import session_scope
+        """Create a queued job of a test owner and send it to the broker, through the service's `create_job`
+        (what the API does)."""
+        from service.db.jobs import create_job
         from service.queue import make_producer
+
+        if self.producer is None:
+            self.producer = make_producer(self.settings)
+        with self.factory() as s:
+            job = create_job(
+                s, owner_id=self.owner_id(), spec=spec, name=spec.get("name") or "", tags=[], queue=self.queue,
+                max_restarts=spec["resources"]["max_restarts"] if max_restarts is None else max_restarts,
+                send=self.producer.send_train)
+        return job.id
+
+    def owner_id(self) -> int:
+        """The id of owner `tests` (created on first use)."""
+        from service.db.models import Owner
+        from service.db.session import session_scope
 
         with session_scope(self.factory) as s:
             owner = s.execute(sa.select(Owner).where(Owner.name == "tests")).scalar()
@@ -213,31 +227,27 @@ class Stack:
                 owner = Owner(name="tests")
                 s.add(owner)
                 s.flush()
-            now = utcnow()
-            job = Job(owner_id=owner.id, name=spec.get("name") or "", spec=spec, status="queued", progress={},
-                      attempt=0, queue=self.queue, created_at=now, queued_at=now, updated_at=now,
-                      max_restarts=spec["resources"]["max_restarts"] if max_restarts is None else max_restarts)
-            s.add(job)
-            s.flush()
-            job_id = job.id
+            return int(owner.id)
+
+    def act(self, job_id: str, action: str) -> None:
+        """Apply a user action (`cancel`, `pause`, `resume`) through the service's `apply_action`."""
+        from service.db.jobs import apply_action
+        from service.queue import make_producer
+
         if self.producer is None:
             self.producer = make_producer(self.settings)
-        task_id = self.producer.send_train(job_id, self.queue)
-        self.set(job_id, celery_task_id=task_id)
-        return job_id
+        with self.factory() as s:
+            assert apply_action(s, owner_id=self.owner_id(), job_id=job_id, action=action,
+                                send=self.producer.send_train) is not None
 
     def add_dataset(self, path: Path) -> str:
         """A `dataset` row of owner `tests` for a local file; returns its id."""
-        from service.db.models import Dataset, Owner
+        from service.db.models import Dataset
         from service.db.session import session_scope
 
+        owner_id = self.owner_id()
         with session_scope(self.factory) as s:
-            owner = s.execute(sa.select(Owner).where(Owner.name == "tests")).scalar()
-            if owner is None:
-                owner = Owner(name="tests")
-                s.add(owner)
-                s.flush()
-            ds = Dataset(owner_id=owner.id, filename=path.name, path=str(path), size=path.stat().st_size,
+            ds = Dataset(owner_id=owner_id, filename=path.name, path=str(path), size=path.stat().st_size,
                          sha256="0" * 64, format="messages", status="ready", report={})
             s.add(ds)
             s.flush()

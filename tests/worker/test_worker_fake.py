@@ -58,13 +58,14 @@ def _assert_metrics_complete(stack, job_id, steps):
 def test_cancel_while_queued_never_starts(make_stack, spec_for):
     stack = make_stack("embedded")
     job_id = stack.submit(spec_for())
-    stack.set(job_id, status="cancelled")  # what the API does for a queued job
+    stack.act(job_id, "cancel")  # what the API does
     worker = stack.start_worker()
     job2 = stack.submit(spec_for(steps=2, every=1))  # consumed after the cancelled one's message
     stack.wait_status(job2, "succeeded", timeout=60)
     assert stack.job(job_id).status == "cancelled"
     assert not (stack.settings.resolved_artifact_root() / job_id).exists()
-    assert [e.kind for e in stack.rows(JobEvent, job_id)] == []
+    # only the service's own state events (queued, cancelled): no worker ever claimed or started it
+    assert [e.kind for e in stack.rows(JobEvent, job_id)] == ["state", "state"]
     assert worker.poll() is None
 
 
@@ -74,7 +75,7 @@ def test_cancel_while_running(make_stack, backend, spec_for):
     job_id = stack.submit(spec_for(steps=400, every=5))
     stack.wait(job_id, lambda j: (j.progress or {}).get("step", 0) >= 3, 60, "training")
     pid = _trainer_pid(stack, job_id)
-    stack.set(job_id, status="cancelling", desired_state="cancelled")
+    stack.act(job_id, "cancel")
     job = stack.wait_status(job_id, "cancelled", "failed", timeout=30)
     assert job.status == "cancelled" and job.finished_at is not None and job.lease_owner is None
     assert job.latest_checkpoint_step < 400
@@ -96,13 +97,12 @@ def test_pause_then_resume_continues_exactly(make_stack, spec_for):
     stack.start_worker(env={"FAKE_STEP_SECONDS": "0.05"})
     job_id = stack.submit(spec_for(steps=60, every=20))
     stack.wait(job_id, lambda j: (j.progress or {}).get("step", 0) >= 5, 60, "training")
-    stack.set(job_id, status="pausing", desired_state="paused")
+    stack.act(job_id, "pause")
     job = stack.wait_status(job_id, "paused", "failed", "succeeded", timeout=30)
     assert job.status == "paused", (job.error_code, job.error_message)
     paused_at = job.latest_checkpoint_step
     assert paused_at is not None and 5 <= paused_at < 60 and paused_at % 20 != 0
-    stack.set(job_id, status="queued", celery_task_id=None)  # resume, as the API does
-    stack.producer.send_train(job_id, stack.queue)
+    stack.act(job_id, "resume")
     job = stack.wait_status(job_id, "succeeded", "failed", timeout=60)
     assert job.status == "succeeded", (job.error_code, job.error_message)
     run = stack.settings.resolved_artifact_root() / job_id
