@@ -43,17 +43,19 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-# Debian packages the tests need (Chromium for the browser tests).
+# Debian packages the tests need (Chromium for the browser tests). apt-get waits up to 10 minutes for the
+# dpkg lock another install holds, instead of failing at once.
+APT_GET := apt-get -o DPkg::Lock::Timeout=600
 deps:
 	@if ! command -v chromium >/dev/null 2>&1; then \
 	  echo "==> installing Debian's chromium (browser tests)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  ($(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq chromium >/dev/null) \
 	    || echo "WARNING: could not install chromium; browser tests will skip"; \
 	fi
 	@# docker-compose validates docker-compose.yml against the Compose schema without a Docker engine.
 	@if ! command -v docker-compose >/dev/null 2>&1; then \
 	  echo "==> installing Debian's docker-compose (validates docker-compose.yml; no engine needed)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null) \
+	  ($(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq docker-compose >/dev/null) \
 	    || echo "WARNING: could not install docker-compose; the compose schema test will skip"; \
 	fi
 
