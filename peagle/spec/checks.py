@@ -11,13 +11,21 @@ read as an argument of its own (`["--quantization=", "--trust-remote-code"]`).
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import ValidationError
 
 from peagle.spec.schema import HELDOUT_PROMPT_SET, VLLM_EXTRA_FLAGS, SpecProblem, TrainSpec
 from peagle.spec.targets import NOT_FOR_VLLM, revision_problem
 
-__all__ = ["cross_field_problems", "extra_args_problems"]
+__all__ = ["cross_field_problems", "cross_field_problems_beside", "extra_args_problems"]
+
+#: Rounds of `cross_field_problems_beside`: each drops the fields that failed (a dropped required field
+#: fails as missing and drops its section next round).
+_REPAIR_ROUNDS = 4
 
 #: The value each kind of `VLLM_EXTRA_FLAGS` flag takes (a word starts with a letter or a digit).
 _VALUE_PATTERNS = {
@@ -100,6 +108,68 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
             bad(("eval", "prompt_sets", i, "name"),
                 "'heldout' measures AL on the job's held-out conversations: set data.eval_samples >= 1")
     return out
+
+
+def cross_field_problems_beside(data: dict[str, Any], failed: Sequence[tuple[str | int, ...]]
+                                ) -> list[SpecProblem]:
+    """The cross-field problems of `data`, a spec whose fields at `failed` (pydantic locs) failed their own
+    validation, so that one answer lists every problem (the model validator runs only on valid fields).
+
+    Each failed field is dropped (its default stands in, or its section's when it is required) until the
+    rest validates; a cross-field problem at or naming a dropped field is left out: it would judge the
+    default, not what was sent. [] when no such spec validates (a required section is missing).
+    """
+    data = copy.deepcopy(data)
+    dropped: list[str] = []
+    locs = list(failed)
+    for _ in range(_REPAIR_ROUNDS):
+        for loc in locs:
+            path = _drop(data, loc)
+            if path is None:
+                return []
+            dropped.append(path)
+        try:
+            TrainSpec.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+            cross = [e for e in errors if e["type"] == "spec_cross_field"]
+            locs = [tuple(e["loc"]) for e in errors if e["type"] != "spec_cross_field"]
+            if not locs:
+                found = [SpecProblem(loc=(*e["loc"], *p["loc"]), message=p["message"])
+                         for e in cross for p in e.get("ctx", {}).get("problems", [])]
+                return [p for p in found if not _touches(p, dropped)]
+            continue
+        return []
+    return []
+
+
+def _drop(data: dict[str, Any], loc: tuple[str | int, ...]) -> str | None:
+    """Delete from `data` the deepest mapping key on `loc`; its dotted path (None when `loc` names none)."""
+    node: Any = data
+    keys: list[tuple[dict[str, Any], str, str]] = []  # (mapping, key, dotted path)
+    walked: list[str] = []
+    for key in loc:
+        if isinstance(node, dict) and isinstance(key, str) and key in node:
+            walked.append(key)
+            keys.append((node, key, ".".join(walked)))
+            node = node[key]
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            walked.append(str(key))
+            node = node[key]
+        else:
+            break
+    if not keys:
+        return None
+    mapping, key, path = keys[-1]
+    del mapping[key]
+    return path
+
+
+def _touches(problem: SpecProblem, dropped: Sequence[str]) -> bool:
+    """Whether `problem` is at, under, above or names a dropped field (dotted paths)."""
+    at = problem.path
+    return any(at == d or at.startswith(f"{d}.") or d.startswith(f"{at}.") or d in problem.message
+               for d in dropped)
 
 
 def _engine_problems(spec: TrainSpec) -> list[SpecProblem]:

@@ -4,7 +4,9 @@
     spec = load_spec_file("spec.yaml")        # YAML or JSON, the same validation
 
 Field-level problems come from pydantic; the cross-field ones from `peagle.spec.checks`, raised by the
-`TrainSpec` model validator and unpacked here, each with its own field path.
+`TrainSpec` model validator and unpacked here, each with its own field path. Pydantic runs the model
+validator only when every field passed, so with field problems the cross-field ones are collected by
+`cross_field_problems_beside` and listed in the same answer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from peagle.errors import SpecInvalidError
+from peagle.spec.checks import cross_field_problems_beside
 from peagle.spec.schema import SpecProblem, TrainSpec
 
 __all__ = ["load_spec_file", "parse_spec"]
@@ -53,7 +56,11 @@ def parse_spec(data: Any) -> TrainSpec:
     try:
         return TrainSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecInvalidError(_problems_from(exc)) from None
+        problems = _problems_from(exc)
+        failed = [tuple(e["loc"]) for e in exc.errors(include_url=False) if e["type"] != "spec_cross_field"]
+        if failed:  # the model validator did not run: its problems too, in the same answer
+            problems += cross_field_problems_beside(data, failed)
+        raise SpecInvalidError(problems) from None
 
 
 def load_spec_file(path: str | Path) -> TrainSpec:
