@@ -102,6 +102,19 @@ def allow_header(request: Request) -> dict[str, str]:
     return {"Allow": ", ".join(methods)} if methods else {}
 
 
+def _json_position(err: dict[str, Any], doc: Any) -> str:
+    """`line L, column C: why` of a malformed JSON body (FastAPI's error carries the offset into `doc`)."""
+    why = str((err.get("ctx") or {}).get("error") or err.get("msg") or "invalid JSON")
+    loc = err.get("loc") or ()
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if pos is None or not isinstance(doc, str | bytes):
+        return f"invalid JSON: {why}"
+    text = doc if isinstance(doc, str) else doc.decode("utf-8", "replace")
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)  # as json.JSONDecodeError counts: 1-based, in characters
+    return f"line {line}, column {column}: {why}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception type the API raises through the envelope."""
 
@@ -114,6 +127,9 @@ def install_error_handlers(app: FastAPI) -> None:
             loc = list(err.get("loc", ()))
             where = loc[0] if loc else "body"
             rest = loc[1:] if where in ("body", "query", "path", "header", "cookie") else loc
+            if err.get("type") == "json_invalid":  # FastAPI's loc is the byte offset: say line and column
+                details.append({"param": "", "in": "body", "message": _json_position(err, exc.body)})
+                continue
             details.append({"param": pointer(rest), "in": where, "message": str(err.get("msg", "invalid"))})
         n = len(details)
         msg = f"{n} problem{'s' if n != 1 else ''} in the request: " + "; ".join(
