@@ -180,6 +180,7 @@ def run_pipeline(
     from peagle.export.writer import export_draft
     from peagle.model.draft import PEagleDraft
     from peagle.target.capture import resolve_aux_layer_ids
+    from peagle.target.loader import device_facts
     from peagle.target.runtime import feature_sources, load_target_runtime, wait_for_rank0
     from peagle.train.checkpoint import find_resumable
     from peagle.train.loop import Trainer, resolve_device
@@ -193,7 +194,12 @@ def run_pipeline(
     _phase(sink, "validating", "loading the target and resolving the spec")
     device = resolve_device(spec)
     torch.manual_seed(spec.optim.seed)
-    base = spec.resolve(cuda_available=device.type == "cuda", vllm_available=vllm_available())
+    # target.dtype auto: bfloat16 only where this machine runs it natively (the CPU's flags, the GPU's bf16)
+    base = spec.resolve(cuda_available=device.type == "cuda", vllm_available=vllm_available(),
+                        device_facts=device_facts(device))
+    if spec.target.dtype == "auto":
+        sink.log("info", f"target dtype {base.target.dtype} (auto: bfloat16 only where the {device.type} runs it "
+                         "natively)")
     target = load_target_runtime(base, device)  # the whole target (hf), or its frozen parts (vllm)
     model, tok, target_path = target.model, target.tokenizer, target.path
     n_layers = target.num_layers

@@ -12,7 +12,7 @@ user wrote it. The pipeline saves the result as `resolved_spec.json` with the ru
 | resources.device               | cuda when available, else cpu                               |
 | resources.precision            | bf16 autocast on cuda, fp32 on cpu                          |
 | resources.attention            | flex on cuda, sdpa (dense-mask) on cpu                      |
-| target.dtype                   | bfloat16 on cuda, float32 on cpu                            |
+| target.dtype                   | bfloat16 where the device runs it natively (`device_facts`: a CUDA GPU with bf16, a CPU with avx512_bf16/amx_bf16), else float32; without facts bfloat16 on cuda, float32 on cpu |
 | eval.num_speculative_tokens    | peagle.num_depths (None = auto)                             |
 | draft.aux_layer_ids            | [2, N//2, N-3] for an N-layer target ([1, N//2, N-1] if N<7)|
 | draft.mask_token_id            | what `peagle.data.vocab` picked                             |
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from peagle.spec.hardware import DeviceFacts, auto_target_dtype
 from peagle.spec.targets import NOT_FOR_VLLM
 
 if TYPE_CHECKING:
@@ -69,11 +70,13 @@ def resolve_spec(
     draft_vocab_size: int | None = None,
     max_steps: int | None = None,
     vllm_available: bool | None = None,
+    device_facts: DeviceFacts | None = None,
 ) -> TrainSpec:
     """A copy of `spec` with its derived values filled in (see the module table); `spec` is unchanged.
 
     `vllm_available` is whether a vLLM engine can be started here (`peagle.engine.locate.vllm_available`);
-    None leaves an `auto` target engine (and what follows from it) as written.
+    None leaves an `auto` target engine (and what follows from it) as written. `device_facts` is what the
+    machine runs natively (`peagle.spec.hardware`); None = a CUDA GPU has bf16, a CPU has not.
     """
     out = spec.model_copy(deep=True)
     r = out.resources
@@ -111,7 +114,8 @@ def resolve_spec(
     if r.attention == "auto":
         r.attention = "flex" if on_cuda else "sdpa"
     if out.target.dtype == "auto":
-        out.target.dtype = "bfloat16" if on_cuda else "float32"
+        facts = device_facts if device_facts is not None else DeviceFacts()
+        out.target.dtype = auto_target_dtype(device=r.device, facts=facts)
     if out.checkpoints.select_best_by == "auto":
         out.checkpoints.select_best_by = "acceptance_length" if out.eval.prompt_sets else "tau_sim"
     if out.eval.num_speculative_tokens is None:

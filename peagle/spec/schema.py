@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from peagle.errors import SpecInvalidError
 from peagle.spec.text import unstorable_problem
+
+if TYPE_CHECKING:
+    from peagle.spec.hardware import DeviceFacts
 
 SPEC_VERSION = 1
 
@@ -102,7 +105,8 @@ class TargetSpec(_Strict):
         default=None, max_length=128, description="Hub revision (branch, tag or commit); None = default."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="Target weights dtype; auto = bfloat16 on CUDA, float32 on CPU."
+        default="auto", description="Target weights dtype (vLLM's and the trainer's); auto = bfloat16 where the "
+        "device runs it natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else float32."
     )
     name_or_path: str | None = Field(
         default=None,
@@ -521,6 +525,7 @@ class TrainSpec(_Strict):
         draft_vocab_size: int | None = None,
         max_steps: int | None = None,
         vllm_available: bool | None = None,
+        device_facts: DeviceFacts | None = None,
     ) -> TrainSpec:
         """This spec with every derived value filled in: the one place "auto" is decided.
 
@@ -530,7 +535,7 @@ class TrainSpec(_Strict):
 
         return resolve_spec(self, cuda_available=cuda_available, target_num_layers=target_num_layers,
                             mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size, max_steps=max_steps,
-                            vllm_available=vllm_available)
+                            vllm_available=vllm_available, device_facts=device_facts)
 
 
 # --------------------------------------------------------------------------------------------------

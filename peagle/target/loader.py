@@ -22,8 +22,9 @@ import torch
 
 from peagle.errors import TargetLoadError
 from peagle.spec import TrainSpec
+from peagle.spec.hardware import DeviceFacts, read_cpu_flags
 
-__all__ = ["HUB_FILES", "TORCH_DTYPES", "load_target", "locate_target", "resolve_dtype"]
+__all__ = ["HUB_FILES", "TORCH_DTYPES", "device_facts", "load_target", "locate_target", "resolve_dtype"]
 
 #: What a hub target's snapshot holds: config, tokenizer and safetensors weights (`pytorch_model*.bin`
 #: only where a repository has no safetensors).
@@ -33,9 +34,16 @@ HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jin
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def device_facts(device: torch.device) -> DeviceFacts:
+    """What this machine runs natively (`peagle.spec.hardware`): the CPU's flags, bf16 on the CUDA device."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return DeviceFacts(cpu_flags=read_cpu_flags(), cuda_bf16=cuda_bf16)
+
+
 def resolve_dtype(spec: TrainSpec, device: torch.device) -> torch.dtype:
-    """`target.dtype` as `TrainSpec.resolve` decides it (auto = bf16 on CUDA, fp32 on CPU)."""
-    return TORCH_DTYPES[spec.resolve(cuda_available=device.type == "cuda").target.dtype]
+    """`target.dtype` as `TrainSpec.resolve` decides it on `device` of this machine (auto = bf16 where native)."""
+    resolved = spec.resolve(cuda_available=device.type == "cuda", device_facts=device_facts(device))
+    return TORCH_DTYPES[resolved.target.dtype]
 
 
 def locate_target(spec: TrainSpec) -> Path:

@@ -47,6 +47,7 @@ def test_callers_use_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from api.estimate import estimate
+    from peagle.spec.hardware import CPU_BF16_FLAGS, read_cpu_flags
     from peagle.spec.schema import TrainSpec
     from peagle.target.loader import resolve_dtype
     from peagle.train.loop import resolve_device
@@ -61,7 +62,8 @@ def test_callers_use_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TrainSpec, "resolve", spy)
     spec = _spec()
     assert resolve_device(spec).type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert resolve_dtype(spec, torch.device("cpu")) == torch.float32
+    native_bf16 = bool(read_cpu_flags() & CPU_BF16_FLAGS)  # auto: bf16 only where this CPU runs it natively
+    assert resolve_dtype(spec, torch.device("cpu")) == (torch.bfloat16 if native_bf16 else torch.float32)
     n = len(calls)
     estimate(spec, dataset_rows={}, queue="cpu", queue_position=0)
     assert len(calls) > n >= 2
