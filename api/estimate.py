@@ -287,14 +287,16 @@ def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:
 
 
 def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue: str, queue_position: int,
-             history: Sequence[Measured] = (), vllm_available: bool | None = None) -> dict[str, Any]:
+             history: Sequence[Measured] = (), vllm_available: bool | None = None, queue_running: int = 0
+             ) -> dict[str, Any]:
     """The data funnel, steps, per-phase and total wall time of `spec`, with its basis and accuracy.
 
     Args:
         spec: a validated spec.
         dataset_rows: `dataset:<id>` -> that dataset's validation report (its funnel, tokens if known).
         queue: the queue the job would go to.
-        queue_position: jobs queued ahead of it.
+        queue_position: jobs ahead of it on `queue`: running there now and queued (`repo.queue_ahead`).
+        queue_running: how many of those run now.
         history: earlier succeeded jobs on `queue` with the same device class (`api.history`).
         vllm_available: whether the workers can run the vLLM target engine (resolves `target_engine: auto`).
     """
@@ -340,6 +342,10 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         accuracy = (f"no history on queue {queue} ({dev}): calibrated model, typically within "
                     f"{MODEL_RANGE[0]}x-{MODEL_RANGE[1]}x (idle to moderately loaded machine)")
         basis = "model"
+    if queue_position:
+        notes.append(f"{queue_position} job{'s' if queue_position > 1 else ''} ahead on queue {queue}: "
+                     f"{queue_running} running, {queue_position - queue_running} queued; it starts when a worker "
+                     "of the queue is free")
     notes.append("the job page shows the measured step rate and time left once training runs")
     return {
         "rows": fun["train_conversations"],
@@ -359,5 +365,6 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "funnel": fun,
         "queue": queue,
         "queue_position": queue_position,
+        "queue_running": queue_running,
         "notes": notes,
     }

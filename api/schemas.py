@@ -152,7 +152,9 @@ class JobOut(JobSummary):
     event_seq: int
     metric_seq: int
     log_seq: int
-    queue_position: int | None = Field(default=None, description="Queued jobs ahead of this one.")
+    queue_position: int | None = Field(default=None, description="While queued: jobs ahead of this one on its "
+                                       "queue, those running there now included (0: the next free worker "
+                                       "takes it).")
 
 
 def job_public(job: Any, *, full: bool = True, queue_position: int | None = None) -> dict[str, Any]:
@@ -456,7 +458,9 @@ class Estimate(BaseModel):
     accuracy: str = Field(description="How far to trust the estimate, and why.")
     funnel: Funnel
     queue: str
-    queue_position: int = Field(description="Jobs queued ahead on that queue.")
+    queue_position: int = Field(description="Jobs ahead on that queue: those its workers run now and those "
+                                "queued before (0: the next free worker takes it; `queue_running` of them run).")
+    queue_running: int = Field(default=0, description="Of `queue_position`, the jobs running on that queue now.")
     notes: list[str]
 
 

@@ -146,8 +146,9 @@ def create_job(
     checked = _preflight(state, session, principal.owner_id, spec, dry_run=dry_run)
     queue = body.queue or state.settings.worker_queue
     if dry_run:
-        est = estimate(spec, dataset_rows=checked.reports, queue=queue,
-                       queue_position=repo.queue_position(session, queue), history=history(session, spec, queue),
+        running, queued = repo.queue_ahead(session, queue)
+        est = estimate(spec, dataset_rows=checked.reports, queue=queue, queue_position=running + queued,
+                       queue_running=running, history=history(session, spec, queue),
                        vllm_available=state.vllm_available)
         return json_ok({"object": "estimate", "valid": not checked.problems, "problems": checked.problems,
                         "spec": spec.model_dump(mode="json"), **est})

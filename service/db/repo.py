@@ -38,6 +38,7 @@ __all__ = [
     "jobs_using_dataset",
     "list_jobs",
     "owner_counts",
+    "queue_ahead",
     "read_rows",
 ]
 
@@ -150,12 +151,20 @@ def owner_counts(session: Session, owner_id: int, *, cap: int | None = None) -> 
     return {status: n for status, n in session.execute(stmt).all()}
 
 
-def queue_position(session: Session, queue: str, job_id: str | None = None) -> int:
-    """Jobs queued on `queue` ahead of `job_id` (all queued jobs when `job_id` is None)."""
-    q = sa.select(sa.func.count()).select_from(Job).where(Job.status == states.QUEUED, Job.queue == queue)
+def queue_ahead(session: Session, queue: str, job_id: str | None = None) -> tuple[int, int]:
+    """(running, queued) on `queue` ahead of `job_id`: the jobs its workers run now (`states.ACTIVE`: they
+    end before a worker is free) and those queued before it (every queued job when `job_id` is None)."""
+    queued = sa.select(sa.func.count()).select_from(Job).where(Job.status == states.QUEUED, Job.queue == queue)
     if job_id is not None:
-        q = q.where(Job.id < job_id)
-    return int(session.scalar(q) or 0)
+        queued = queued.where(Job.id < job_id)
+    running = sa.select(sa.func.count()).select_from(Job).where(Job.status.in_(states.ACTIVE), Job.queue == queue)
+    return int(session.scalar(running) or 0), int(session.scalar(queued) or 0)
+
+
+def queue_position(session: Session, queue: str, job_id: str | None = None) -> int:
+    """Jobs ahead of `job_id` on `queue`, running ones included (`queue_ahead`): 0 = the next free worker
+    of the queue takes it. Counting only queued jobs showed 0 while the only worker was busy."""
+    return sum(queue_ahead(session, queue, job_id))
 
 
 def add_job_event(
