@@ -28,6 +28,7 @@ from typing import Any
 
 from peagle.spec import TrainSpec
 from peagle.spec.funnel import DROPPED_BY_REASON, READ, funnel
+from peagle.spec.hardware import cpu_facts
 
 __all__ = ["MODEL_RANGE", "PHASE_GROUPS", "Measured", "estimate", "model_seconds", "phase_ratio"]
 
@@ -356,6 +357,8 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "feature_bytes_per_token": per_token,
         "offline_dump_bytes": dump,
         "target_engine": engine,
+        # auto resolved by what this host's CPU runs natively (the workers share it in docker-compose)
+        "target_dtype": spec.resolve(cuda_available=spec.resources.gpus > 0, device_facts=cpu_facts()).target.dtype,
         "wall_clock_seconds": round(total, 1),
         "wall_clock_range_seconds": [round(lo, 1), round(hi, 1)],
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},

@@ -447,6 +447,9 @@ class Estimate(BaseModel):
     target_engine: Literal["auto", "hf", "vllm"] = Field(
         description="Where the target will run: vllm (an engine beside a draft-only trainer) or hf; auto only "
                     "when the API cannot tell what the workers have.")
+    target_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        description="The target's dtype as the job will run it: `auto` is bfloat16 only where the device runs it "
+                    "natively (a CUDA GPU, a CPU with avx512_bf16 or amx_bf16), else float32.")
     wall_clock_seconds: float = Field(description="Wall-clock estimate on the requested device (sum of "
                                       "`phase_seconds`).")
     wall_clock_range_seconds: list[float] = Field(description="[low, high]: the range `accuracy` states.")

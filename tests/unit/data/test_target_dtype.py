@@ -66,3 +66,15 @@ def test_the_loader_resolves_auto_from_this_machine() -> None:
     native = bool(read_cpu_flags() & {"avx512_bf16", "amx_bf16"})
     assert device_facts(cpu).cpu_flags == read_cpu_flags()
     assert resolve_dtype(spec, cpu) == (torch.bfloat16 if native else torch.float32)
+
+
+@pytest.mark.parametrize(("flags", "want"), [(EPYC_AVX2, "float32"), (XEON_BF16, "bfloat16")])
+def test_the_dry_run_shows_the_resolved_dtype(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str],
+                                              want: str) -> None:
+    import api.estimate
+    from api.schemas import Estimate
+
+    monkeypatch.setattr(api.estimate, "cpu_facts", lambda: DeviceFacts(cpu_flags=flags))
+    est = api.estimate.estimate(preset("demo"), dataset_rows={}, queue="cpu", queue_position=0)
+    assert est["target_dtype"] == want
+    assert Estimate.model_fields["target_dtype"].annotation is not None
