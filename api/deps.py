@@ -17,6 +17,7 @@ from fastapi import Depends, Query, Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.auth import PrincipalCache, authenticate, authorize, check_scope
+from api.target_checks import HubProbe
 from service.db import repo
 from service.queue import Producer
 from service.settings import Settings
@@ -68,6 +69,7 @@ class AppState:
     principals: PrincipalCache = field(default_factory=PrincipalCache)  # `api.auth`'s cache of callers
     keepalive_s: float = KEEPALIVE_S  # SSE keep-alive interval (tests shorten it)
     vllm_available: bool = False  # the workers can run the vLLM target engine (`Settings.vllm_available`)
+    hub_probe: HubProbe = field(default_factory=HubProbe)  # can the workers fetch a hub id (`api.preflight`)
 
 
 async def get_state(request: Request) -> AppState:

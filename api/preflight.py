@@ -11,6 +11,10 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
   - a `ready` dataset without a usable row, or whose `skip` skips every row;
   - a `target.model` folder under the operator's model roots that does not exist or holds no
     `config.json`;
+  - a hub id `target.model` that is not in the hub cache and the hub cannot be reached, or says it has no
+    such model (`api.target_checks.HubProbe`);
+  - `data.max_length` beyond the target's context, when its config can be read here (builtin fixtures,
+    folders under the model roots, cached hub snapshots: `api.target_checks.local_config`);
   - `vllm` asked for (`resources.target_engine`, `data.regenerate.engine`, `eval.engine`) where the
     workers have no vLLM engine (`Settings.vllm_available`).
 
@@ -31,7 +35,9 @@ from sqlalchemy.orm import Session
 from api.access import access_problems, under_model_roots
 from api.dataset_checks import public_report
 from api.errors import ApiError
+from api.target_checks import HubProbe, context_problem, local_config
 from peagle.spec import TrainSpec
+from peagle.spec.targets import is_hub_id
 from service.channels import dataset_id
 from service.db.models import Dataset
 
@@ -60,15 +66,24 @@ def _order(problem: dict[str, str]) -> tuple[Any, ...]:
     return (_SECTIONS.get(parts[0], 9), *(int(p) if p.isdigit() else -1 for p in parts[1:]))
 
 
-def _target_problem(name: str, roots: Sequence[Path]) -> str | None:
-    if not under_model_roots(name, roots):
-        return None  # a builtin or a hub id: the worker resolves it
-    folder = Path(name)
-    if not folder.is_dir():
-        return "no such folder under the server's model roots"
-    if not (folder / "config.json").is_file():
-        return "the folder has no config.json (not a Hugging Face model folder)"
-    return None
+def _target_problems(spec: TrainSpec, roots: Sequence[Path], hub: HubProbe | None) -> list[dict[str, str]]:
+    """The target's problems: a missing model folder, an unreachable hub id, `data.max_length` beyond its
+    context (when its config can be read here)."""
+    name, folder = spec.target.model, None
+    if under_model_roots(name, roots):
+        if not Path(name).is_dir():
+            return [{"param": "/target/model", "message": "no such folder under the server's model roots"}]
+        if not (Path(name) / "config.json").is_file():
+            return [{"param": "/target/model",
+                     "message": "the folder has no config.json (not a Hugging Face model folder)"}]
+        folder = Path(name)
+    elif is_hub_id(name) and hub is not None:
+        why = hub.problem(name, spec.target.revision)
+        if why is not None:
+            return [{"param": "/target/model", "message": why}]
+    config = local_config(name, spec.target.revision, folder=folder)
+    too_long = context_problem(config, spec.data.max_length) if config is not None else None
+    return [{"param": "/data/max_length", "message": too_long}] if too_long is not None else []
 
 
 def _dataset_problem(ds: Dataset, skip: int) -> str | None:
@@ -100,13 +115,12 @@ def _engine_problems(spec: TrainSpec, vllm_available: bool) -> list[dict[str, st
 
 
 def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path], *,
-              vllm_available: bool = True) -> Preflight:
-    """Every problem of `spec` knowable before queueing, for this owner (module docstring)."""
+              vllm_available: bool = True, hub: HubProbe | None = None) -> Preflight:
+    """Every problem of `spec` knowable before queueing, for this owner (module docstring); `hub` None
+    leaves hub ids to the worker."""
     out = Preflight(problems=access_problems(spec, model_roots))
     out.forbidden = bool(out.problems)
-    target = _target_problem(spec.target.model, model_roots)
-    if target is not None:
-        out.problems.append({"param": "/target/model", "message": target})
+    out.problems += _target_problems(spec, model_roots, hub)
     out.problems += _engine_problems(spec, vllm_available)
     # (param, `dataset:<id>`, rows skipped, is a data source) of every dataset ref: sources and prompt sets
     named = [(f"/data/sources/{i}/path", src.path, src.skip, True) for i, src in enumerate(spec.data.sources)]

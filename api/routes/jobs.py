@@ -98,7 +98,7 @@ def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec
     """`api.preflight`: 422 for what the owner may not name or what cannot run (a dry run only reports the
     latter); the reports of the owner's datasets."""
     checked = preflight(session, owner_id, spec, state.settings.model_roots,
-                        vllm_available=state.vllm_available)
+                        vllm_available=state.vllm_available, hub=state.hub_probe)
     checked.check(dry_run=dry_run)
     return checked
 
