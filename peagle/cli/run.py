@@ -292,31 +292,38 @@ def export_cmd(
 
 def validate_cmd(
     directory: Path = typer.Argument(..., help="Export dir (or a run dir: RUN/export)."),
-    as_json: bool = typer.Option(False, "--json", help="Print {ok, violations, warnings} as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print {ok, violations, not_here, warnings} as JSON."),
+    portable: bool = typer.Option(False, "--portable", help="Only the export's own rules: leave out whether "
+                                  "this machine's vLLM can run it (for an export served elsewhere)."),
 ) -> None:
-    """Check a directory against every rule vLLM enforces for a P-EAGLE draft.
+    """Check a directory against every rule vLLM enforces for a P-EAGLE draft, and whether this machine's
+    vLLM can run it (`peagle.export.machine`: vLLM's CPU attention takes only some head sizes).
 
-    Errors (vLLM refuses the draft or serves it wrongly) exit 8; warnings (conventions vLLM does not
-    enforce, e.g. fp32 weights) are printed to stderr and exit 0.
+    Errors (vLLM refuses the draft or serves it wrongly, or cannot run it here) exit 8; warnings
+    (conventions vLLM does not enforce, e.g. fp32 weights) are printed to stderr and exit 0.
     """
     from peagle.errors import ExportInvalidError
+    from peagle.export.machine import vllm_here_problems
     from peagle.export.rules import validate_export_report
 
     target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
     report = validate_export_report(target)
     bad = report.errors
-    if not bad:  # with errors stderr keeps its one `error:` line (warnings are in --json)
+    not_here = [] if bad or portable else vllm_here_problems(target)  # valid, but this machine's vLLM cannot run it
+    if not bad and not not_here:  # with errors stderr keeps its one `error:` line (warnings are in --json)
         for w in report.warnings:
             typer.echo(f"warning: {w}", err=True)
     if as_json:
-        typer.echo(
-            json.dumps({"dir": str(target), "ok": not bad, "violations": bad, "warnings": report.warnings})
-        )
-        if bad:
+        typer.echo(json.dumps({"dir": str(target), "ok": not bad and not not_here, "violations": bad,
+                               "not_here": not_here, "warnings": report.warnings}))
+        if bad or not_here:
             raise typer.Exit(EXIT_CODES["export_invalid"])
         return
     if bad:
         raise _fail(str(ExportInvalidError(bad)), EXIT_CODES["export_invalid"])
+    if not_here:
+        raise _fail(f"{target} cannot run in this machine's vLLM: " + "; ".join(not_here),
+                    EXIT_CODES["export_invalid"])
     note = f" ({len(report.warnings)} warnings)" if report.warnings else ""
     typer.echo(f"ok: {target} is a valid vLLM P-EAGLE export{note}")
 
@@ -362,6 +369,13 @@ def eval_cmd(
     if speedup and engine == Engine.reference:
         raise _fail("--speedup times vLLM serving: use --engine vllm (or both)", EXIT_CODES["spec_invalid"])
     src = _export_dir_of(directory)
+    if engine != Engine.reference and target is None:  # refused now, not by vLLM's trace minutes later
+        from peagle.export.machine import vllm_here_problems
+
+        not_here = vllm_here_problems(src)
+        if not_here:
+            raise _fail(f"--engine {engine.value}: {src} cannot run in this machine's vLLM: " + "; ".join(not_here),
+                        EXIT_CODES["resource_unavailable"])
     plan = None
     if speedup:
         k = num_speculative_tokens or num_speculative_tokens_of(read_export_config(src))

@@ -82,11 +82,45 @@ def _cli(*args: str):
 
 
 def test_validate_passes_on_run_and_export(tiny_run):
+    """The tiny export is valid; where vLLM runs on the CPU (head_dim 16 is refused there) `peagle validate`
+    says it cannot run here (issue 39: it passed, then `peagle eval --engine vllm` failed minutes later)."""
+    from peagle.engine.locate import vllm_python
+    from peagle.export.machine import vllm_runs_on_cpu
+
     run, _ = tiny_run
+    python = vllm_python()
+    cpu_vllm = python is not None and vllm_runs_on_cpu(python)
     for d in (run, run / "export"):
-        r = _cli("validate", str(d))
+        r = _cli("validate", str(d), "--portable")
         assert r.exit_code == 0, r.stderr
         assert r.stdout.startswith("ok:")
+        r = _cli("validate", str(d))
+        if cpu_vllm:
+            assert r.exit_code == 8, r.stdout
+            assert "cannot run in this machine's vLLM" in r.stderr and "head_dim 16" in r.stderr, r.stderr
+            doc = json.loads(_cli("validate", str(d), "--json").stdout)
+            assert doc["ok"] is False and doc["violations"] == [] and "head_dim 16" in doc["not_here"][0]
+        else:
+            assert r.exit_code == 0, r.stderr
+            assert r.stdout.startswith("ok:")
+
+
+def test_eval_with_vllm_refuses_at_once_what_this_machine_cannot_run(tiny_run):
+    """Issue 39: `peagle eval --engine vllm` on the tiny export failed after minutes with vLLM's trace."""
+    import time
+
+    from peagle.engine.locate import vllm_python
+    from peagle.export.machine import vllm_runs_on_cpu
+
+    python = vllm_python()
+    if python is None or not vllm_runs_on_cpu(python):
+        pytest.skip("this machine's vLLM runs on a GPU (or there is none)")
+    run, _ = tiny_run
+    t0 = time.monotonic()
+    r = _cli("eval", str(run), "--engine", "vllm", "--num-prompts", "1")
+    assert r.exit_code == 9, r.stderr
+    assert "cannot run in this machine's vLLM" in r.stderr and "head_dim 16" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
 
 
 def test_export_eagle3_layout_and_eval(tiny_run, tmp_path):
