@@ -23,6 +23,12 @@ forwards every record unchanged and adds an `info` log line
   it; `eta` from the rate of the steps run since the first line of this process).
 
     sink = ProgressLog(MultiSink(JsonlSink(sys.stdout), ...))   # what `run_pipeline` does
+
+Progress for a person (`peagle train`, `peagle eval`): `ConsoleSink` writes the log lines to stderr, plain
+when it is piped, and on a terminal also draws a tqdm bar for every phase that reports `progress` events
+(training steps, regenerated conversations, evaluated prompt sets).
+
+    sink = MultiSink(JsonlSink(run / "progress.jsonl"), ConsoleSink(sys.stderr, bar=sys.stderr.isatty()))
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from peagle.spec.metrics import LOSS, TAU_SIM, TOKENS_PER_S
 
-__all__ = ["LOG_EVERY_S", "JsonlSink", "MultiSink", "NullSink", "ProgressLog", "ProgressSink", "RecordingSink",
+__all__ = ["LOG_EVERY_S", "ConsoleSink", "JsonlSink", "MultiSink", "NullSink", "ProgressLog", "ProgressSink", "RecordingSink",
            "format_duration"]
 
 
@@ -229,3 +235,71 @@ class ProgressLog:
         if step < total and step > s0 and now > t0:
             parts.append(f"eta {format_duration((total - step) * (now - t0) / (step - s0))}")
         return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress on a console
+# --------------------------------------------------------------------------------------------------
+
+
+class ConsoleSink:
+    """Log lines on `stream` (stderr), and on a terminal a progress bar per phase (tqdm).
+
+    Plain (`bar=False`, stderr piped): every `info`/`warning` log record is one line (`ProgressLog` makes
+    them: phase changes, a step line every `LOG_EVERY_S` seconds; regeneration and evaluation log their
+    own), and `warning` events too. With `bar=True` the same lines are printed above a tqdm bar that
+    follows the `progress` events (`step`/`total_steps`, `phase` when not training).
+    `error` events are not shown: the CLI ends with its own `error:` line.
+    """
+
+    def __init__(self, stream: IO[str], *, bar: bool) -> None:
+        self.stream, self.bar = stream, bar
+        self._bar: Any = None  # the open tqdm bar
+        self._bar_phase: str | None = None
+        self._loss: float | None = None
+
+    def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        self._loss = _num(values.get(LOSS, self._loss))
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if kind == "phase":
+            self.close()
+        elif kind == "progress" and self.bar:
+            self._progress(str(fields.get("phase") or "training"), fields.get("step"), fields.get("total_steps"))
+        elif kind == "warning":
+            self._line(f"warning: {fields.get('message', '')}")
+
+    def log(self, level: str, message: str) -> None:
+        if level in ("info", "warning"):
+            self._line(message if level == "info" else f"warning: {message}")
+        elif level == "error":
+            self._line(f"error: {message}")
+
+    def close(self) -> None:
+        """Close the open bar (a new phase, or the end)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar, self._bar_phase = None, None
+
+    def _line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)  # above the bar, which is redrawn under it
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def _progress(self, phase: str, step: Any, total: Any) -> None:
+        if not isinstance(step, int) or not isinstance(total, int):
+            return
+        from tqdm import tqdm  # a dependency of transformers and huggingface_hub
+
+        if self._bar is None or self._bar_phase != phase:
+            self.close()
+            unit = {"training": "step", "regenerating": "conv"}.get(phase, "it")
+            self._bar = tqdm(total=total, initial=step, desc=phase, unit=unit, file=self.stream,
+                             dynamic_ncols=True, leave=True)
+            self._bar_phase = phase
+        self._bar.total = total
+        if self._loss is not None and phase == "training":
+            self._bar.set_postfix(loss=f"{self._loss:.4g}", refresh=False)
+        self._bar.update(step - self._bar.n)

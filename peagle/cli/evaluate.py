@@ -4,22 +4,32 @@ decoder, vLLM or both, per prompt set, and (vLLM) the measured serving speedup.
     report = run_eval("runs/x/export", prompts=["humaneval", "sharegpt-heldout"], num_prompts=8,
                       max_new_tokens=64, engine="vllm", speedup=plan_speedup(4, 8))
 
-Every AL is the pooled definition of `peagle.eval.acceptance`, whichever engine measured it.
+Every AL is the pooled definition of `peagle.eval.acceptance`, whichever engine measured it. Progress goes
+to `sink` (`peagle eval` gives it a `ConsoleSink` on stderr): what is being measured, each prompt set's AL as
+it comes, and while the vLLM probe runs (engine starts, every K and batch size of a sweep) a line every
+`HEARTBEAT_S` seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from peagle.eval.speedup import SpeedupPlan
+from peagle.progress import NullSink, ProgressSink, format_duration
 from peagle.spec import HELDOUT_PROMPT_SET
 
 __all__ = ["EVAL_DTYPES", "reference_dtypes", "run_eval"]
 
 #: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
 EVAL_DTYPES = ("auto", "float32", "bfloat16")
+
+#: Seconds between two "still running" lines while a vLLM probe runs (it says nothing until it is done).
+HEARTBEAT_S = 15.0
 
 #: What a report drops when it is printed (token ids of every output).
 _BULKY = ("outputs", "counters")
@@ -50,6 +60,30 @@ def _slim(report: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in report.items() if k not in _BULKY}
 
 
+@contextlib.contextmanager
+def _heartbeat(sink: ProgressSink, what: str, *, every_s: float) -> Iterator[None]:
+    """A log line `what: running for 1m15s` every `every_s` seconds until the block ends (a thread)."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            sink.log("info", f"{what}: running for {format_duration(time.monotonic() - t0)}")
+
+    thread = threading.Thread(target=beat, name="peagle-eval-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _speedup_text(plan: SpeedupPlan) -> str:
+    ks = f"K={plan.ks[0]}" if len(plan.ks) == 1 else f"K={plan.ks[0]}..{plan.ks[-1]} (one engine start each)"
+    return f"serving speedup at {ks}, batch sizes {plan.batch_sizes}, {plan.rounds} rounds"
+
+
 def run_eval(
     export_dir: str | Path,
     *,
@@ -61,6 +95,8 @@ def run_eval(
     target: str | None = None,
     dtype: str = "auto",
     speedup: SpeedupPlan | None = None,
+    sink: ProgressSink | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
 ) -> dict[str, Any]:
     """AL of an export per prompt set with the reference decoder, vLLM, or both (what `peagle eval` prints).
 
@@ -76,6 +112,8 @@ def run_eval(
             (`reference_dtypes`).
         speedup: also time the verifier alone against it with the draft in vLLM on the first set
             (`peagle.eval.speedup.plan_speedup`); needs `engine` vllm or both.
+        sink: where progress goes (log lines, one `progress` event per prompt set); None = nowhere.
+        heartbeat_s: seconds between two "still running" lines while the vLLM probe runs.
 
     Returns:
         `{"engine", "acceptance_length", "per_position", "per_request_spread", "tokens_generated",
@@ -104,6 +142,7 @@ def run_eval(
 
     if speedup is not None and engine not in ("vllm", "both"):
         raise ValueError("--speedup measures vLLM serving: use --engine vllm (or both)")
+    out_sink: ProgressSink = sink if sink is not None else NullSink()
     names = [prompts] if isinstance(prompts, str) else list(prompts)
     check_export(export_dir)
     cfg = read_export_config(export_dir)
@@ -116,6 +155,7 @@ def run_eval(
     except (ValueError, FileNotFoundError) as exc:
         raise TargetLoadError(f"verifier {verifier!r} cannot be loaded here: {exc}; pass --target") from None
     target_dtype, draft_dtype = reference_dtypes(cfg, dtype)
+    out_sink.log("info", f"evaluating {export_dir} against {tpath} ({engine})")
     try:
         tok = AutoTokenizer.from_pretrained(str(tpath))
     except (OSError, ValueError) as exc:
@@ -134,15 +174,24 @@ def run_eval(
         draft = load_exported_draft(export_dir, dtype=draft_dtype, validate=False)
         eos = model.generation_config.eos_token_id
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        for name, ids in sets.items():
+        for i, (name, ids) in enumerate(sets.items()):
+            out_sink.log("info", f"reference decoder: prompt set {name} ({len(ids)} prompts, K={k}, "
+                                 f"{max_new_tokens} new tokens each)")
             rep = evaluate_prompts(model, draft, ids, num_speculative_tokens=k, max_new_tokens=max_new_tokens,
                                    eos_token_ids=eos_ids)  # fmt: skip
             ref[name] = {"engine": "reference", **rep.to_dict(with_outputs=True)}
+            out_sink.event("progress", phase="evaluating", step=i + 1, total_steps=len(sets))
+            out_sink.log("info", f"reference decoder: prompt set {name}: acceptance_length "
+                                 f"{ref[name].get('acceptance_length')}")
         out.update({"engine": "reference", **_slim(ref[first])})
         out["prompt_sets"] = {name: _slim(r) for name, r in ref.items()}
     if engine in ("vllm", "both"):
-        res = measure_vllm(export_dir, sets, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
-                           speedup=speedup, verifier=tpath)  # fmt: skip
+        what = f"vLLM: AL on {', '.join(sets)} at K={k}" + (f", {_speedup_text(speedup)}" if speedup else "")
+        out_sink.log("info", f"{what}: starting the engines")
+        with _heartbeat(out_sink, "vLLM probe", every_s=heartbeat_s):
+            res = measure_vllm(export_dir, sets, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
+                               speedup=speedup, verifier=tpath)  # fmt: skip
+        out_sink.log("info", "vLLM: done")
         facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
         v_first = {**facts, **_slim(res["prompt_sets"][first])}
         if not ref:

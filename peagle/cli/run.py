@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from enum import StrEnum
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 import typer
 
 from peagle.errors import EXIT_CODES, PeagleError, TrainingInterrupted
+from peagle.train.signals import stop_reason
 
 __all__ = ["register"]
 
@@ -80,8 +80,10 @@ def _user_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
-        except TrainingInterrupted as exc:
-            raise _fail(str(exc), EXIT_CODES["interrupted"]) from None
+        except TrainingInterrupted as exc:  # a pause or Ctrl-C: said as what it is, not as an error
+            sys.stderr.write(f"{exc}\n")
+            sys.stderr.flush()
+            raise typer.Exit(EXIT_CODES["interrupted"]) from None
         except Exception as exc:  # noqa: BLE001 - the CLI boundary: every failure becomes one line + exit code
             code, rc = _exit_code_for(exc)
             if os.environ.get("PEAGLE_DEBUG"):
@@ -95,47 +97,6 @@ def _user_errors(fn: F) -> F:
 # --------------------------------------------------------------------------------------------------
 # train
 # --------------------------------------------------------------------------------------------------
-
-
-class _BarSink:
-    """A one-line progress bar on stderr (TTY only): phase, step/total, loss, ETA."""
-
-    def __init__(self) -> None:
-        self.t0 = time.time()
-        self.phase = ""
-        self.last = ""
-
-    def _draw(self, text: str) -> None:
-        sys.stderr.write("\r" + text[:150].ljust(len(self.last)))
-        sys.stderr.flush()
-        self.last = text[:150]
-
-    def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
-        if "loss" in values:
-            self.loss = values["loss"]
-
-    def event(self, kind: str, **fields: Any) -> None:
-        if kind == "phase":
-            if self.last:
-                sys.stderr.write("\n")
-            self.last = ""
-            self._draw(f"[{fields.get('phase')}] {fields.get('message', '')}")
-        elif kind == "progress":
-            step, total = int(fields.get("step", 0)), max(int(fields.get("total_steps", 1)), 1)
-            width = 30
-            done = int(width * step / total)
-            rate = (time.time() - self.t0) / max(step, 1)
-            eta = rate * (total - step)
-            loss = getattr(self, "loss", float("nan"))
-            self._draw(
-                f"training [{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f} eta {eta:.0f}s"
-            )
-        elif kind in ("warning", "error"):
-            sys.stderr.write(f"\n{kind}: {fields.get('message', '')}\n")
-            self.last = ""
-
-    def log(self, level: str, message: str) -> None:
-        pass
 
 
 class _EarlyStop(BaseException):
@@ -169,8 +130,14 @@ def train_cmd(
     ),
 ) -> None:
     """Train a P-EAGLE draft: data, vocab, capture, train, evaluate, export (RUN/export)."""
-    from peagle.progress import JsonlSink, MultiSink, ProgressSink
+    from peagle.progress import ConsoleSink, JsonlSink, MultiSink, ProgressSink
 
+    # Progress on stderr for a person: a bar on a terminal, plain lines when piped; not when the JSON lines
+    # go to a piped stdout (the worker: it files stderr lines in the job log, which has the records already).
+    console = ConsoleSink(sys.stderr, bar=sys.stderr.isatty()) \
+        if sys.stderr.isatty() or progress_jsonl != "-" else None
+    if console is not None:
+        console.log("info", f"peagle train {spec_file} -> {out}: loading")
     sinks: list[ProgressSink] = []
     try:
         spec = _load_spec(spec_file)
@@ -184,8 +151,8 @@ def train_cmd(
         sinks.append(JsonlSink(sys.stdout))
     elif progress_jsonl:
         sinks.append(JsonlSink(progress_jsonl))
-    if sys.stderr.isatty():
-        sinks.append(_BarSink())
+    if console is not None:
+        sinks.append(console)
     sink = MultiSink(*sinks)
     previous = _install_early_interrupt()
     try:
@@ -195,8 +162,9 @@ def train_cmd(
     except TrainingInterrupted:
         raise
     except _EarlyStop as stop:
-        sink.event("warning", message=f"interrupted by signal {stop.args[0]} outside the training loop")
-        raise TrainingInterrupted(f"interrupted by signal {stop.args[0]}; resume with --resume auto") from None
+        why = stop_reason(stop.args[0])
+        sink.log("info", f"stopping: {why} (before training ended; what is done is kept)")
+        raise TrainingInterrupted(f"stopped: {why}; resume with --resume auto") from None
     except BaseException as exc:
         code, _ = _exit_code_for(exc)
         sink.event("error", code=code, message=str(exc).split("\n")[0] or type(exc).__name__)
@@ -205,8 +173,8 @@ def train_cmd(
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         file_sink.close()
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")
+        if console is not None:
+            console.close()
     if progress_jsonl != "-":
         typer.echo(json.dumps({"export": str(result.export_dir), "checkpoint": result.best_checkpoint,
                                "acceptance_length": result.eval.get("acceptance_length"),
@@ -365,9 +333,12 @@ def eval_cmd(
     from peagle.cli.evaluate import run_eval
     from peagle.eval.speedup import plan_speedup, speedup_text
     from peagle.export.writer import num_speculative_tokens_of, read_export_config
+    from peagle.progress import ConsoleSink
 
     if speedup and engine == Engine.reference:
         raise _fail("--speedup times vLLM serving: use --engine vllm (or both)", EXIT_CODES["spec_invalid"])
+    console = ConsoleSink(sys.stderr, bar=sys.stderr.isatty())  # progress on stderr; the report on stdout
+    console.log("info", f"peagle eval {directory}: loading")
     src = _export_dir_of(directory)
     if engine != Engine.reference and target is None:  # refused now, not by vLLM's trace minutes later
         from peagle.export.machine import vllm_here_problems
@@ -383,8 +354,9 @@ def eval_cmd(
     report = run_eval(
         src, prompts=prompts, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens, engine=engine.value, target=target, dtype=dtype,
-        speedup=plan,
+        speedup=plan, sink=console,
     )  # fmt: skip
+    console.close()
     if as_json:
         typer.echo(json.dumps(report))
         return

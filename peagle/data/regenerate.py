@@ -238,7 +238,9 @@ class _Progress:
                                   REGEN_SECONDS_REMAINING: None if eta is None else round(eta, 1)}
         self.sink.event("progress", phase="regenerating", step=self.done, total_steps=self.total, **fields)
         pct = 100 * self.done // max(self.total, 1)
-        line = f"regenerating {self.done}/{self.total} conversations ({pct}%) tokens/s {tps:.0f}"
+        line = f"regenerating {self.done}/{self.total} conversations ({pct}%)"
+        if self.generated:  # the first record (engine ready, nothing generated yet) has no rate
+            line += f" tokens/s {tps:.0f}"
         if eta is not None and self.done < self.total:
             line += f" eta {format_duration(eta)}"
         self.sink.log("info", line)
@@ -346,8 +348,12 @@ def regenerate_conversations(
 
         gen_s = 0.0
         if todo:
+            if sink is not None:  # at once: starting an engine takes from seconds to minutes
+                sink.log("info", f"regenerating {len(todo)} conversations ({len(conversations) - len(todo)} of "
+                                 f"{len(conversations)} from the cache): starting the {settings.engine} engine")
             with open_backend() as backend:
                 progress.start()
+                progress.emit(clock())  # 0 done: the engine is up (a bar appears; the log says so)
                 t_gen = clock()
                 width = max(1, settings.batch_size)
                 if getattr(backend, "concurrent", False):

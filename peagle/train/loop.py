@@ -47,7 +47,7 @@ from peagle.train.optim import (
     total_steps,
     update_ema,
 )
-from peagle.train.signals import GracefulShutdown
+from peagle.train.signals import GracefulShutdown, stop_reason
 from peagle.train.step import (
     EVAL_EPOCH,
     DraftObjective,
@@ -240,9 +240,10 @@ class Trainer:
                 stopping = self.dist.any(stop.requested)
                 if self.step % every == 0 or self.step == self.total_steps or stopping:
                     result.last_checkpoint = self.checkpoint(epoch, interrupted=stopping)
-                if stopping:
-                    self.sink.event("warning", message=f"interrupted by signal after step {self.step}: checkpoint saved")
-                    raise TrainingInterrupted(f"interrupted after step {self.step}; resume with --resume auto")
+                if stopping:  # a pause (or Ctrl-C): logged as what it is, not as an error
+                    why = stop_reason(stop.signum)
+                    self.sink.log("info", f"paused at step {self.step}: {why}; checkpoint saved")
+                    raise TrainingInterrupted(f"paused at step {self.step} ({why}); resume with --resume auto")
         result.step = self.step
         result.eval_metrics = dict(self.last_eval)
         if self.ema is not None:  # the run's result is the average (the trained weights stay in the checkpoints)

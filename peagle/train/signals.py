@@ -18,7 +18,17 @@ from typing import Any
 
 from peagle.errors import EXIT_CODES
 
-__all__ = ["GracefulShutdown"]
+__all__ = ["GracefulShutdown", "stop_reason"]
+
+
+def stop_reason(signum: int | None) -> str:
+    """What a stop signal means here, for the log: the supervisor sends SIGTERM for a pause or a worker
+    shutdown (both resume from the checkpoint), a person at a terminal sends SIGINT (Ctrl-C)."""
+    if signum == signal.SIGINT:
+        return "interrupted (Ctrl-C)"
+    if signum == signal.SIGTERM:
+        return "pause requested (SIGTERM: a pause or a worker shutdown)"
+    return "stop requested" if signum is None else f"stop requested (signal {signum})"  # None: another rank
 
 
 class GracefulShutdown:

@@ -318,8 +318,11 @@ def test_progress_is_rate_limited_and_says_done_total_rate_eta(smollm2_tokenizer
     assert all(e["phase"] == "regenerating" and e[REGEN_CONVERSATIONS] == e["step"] for e in events)
     assert events[-1][REGEN_TOKENS_PER_S] > 0
     lines = [m for r, _l, m in sink.records if r == "log"]
-    assert len(lines) == len(events) and lines[0].startswith("regenerating 1/12 conversations (8%) tokens/s")
-    assert "eta" in lines[0] and "eta" not in lines[-1]
+    # at once a line before the engine starts, and a 0-done record once it is up (issue 39: minutes of silence)
+    assert lines[0] == "regenerating 12 conversations (0 of 12 from the cache): starting the vllm engine"
+    assert events[0]["step"] == 0 and lines[1] == "regenerating 0/12 conversations (0%)"
+    assert len(lines) == len(events) + 1 and lines[2].startswith("regenerating 1/12 conversations (8%) tokens/s")
+    assert "eta" in lines[2] and "eta" not in lines[-1]
 
     # the job log's step lines ignore them (training keeps its own ETA origin)
     from peagle.progress import ProgressLog
