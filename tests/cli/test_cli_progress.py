@@ -174,3 +174,18 @@ def test_train_on_a_terminal_draws_a_bar(tmp_path, tiny_target_path) -> None:
     text = b"".join(chunks).decode(errors="replace")
     assert "phase training" in text and "\r" in text
     assert "training: 100%" in text and "9/9" in text, text[-2000:]
+
+
+def test_the_vllm_probe_gets_a_heartbeat_line_while_it_runs() -> None:
+    """The vLLM probe (a sweep starts an engine per K) says nothing until it is done: `peagle eval` logs a
+    line every few seconds meanwhile (21 silent minutes in issue 39)."""
+    from peagle.cli.evaluate import _heartbeat
+    from peagle.progress import RecordingSink
+
+    sink = RecordingSink()
+    with _heartbeat(sink, "vLLM probe", every_s=0.2):
+        time.sleep(0.9)
+    lines = [r["message"] for r in sink.records if r["type"] == "log"]
+    assert 3 <= len(lines) <= 5 and all(line.startswith("vLLM probe: running for ") for line in lines), lines
+    time.sleep(0.4)
+    assert len([r for r in sink.records if r["type"] == "log"]) == len(lines)  # stops with the block
