@@ -16,7 +16,9 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
   - `data.max_length` beyond the target's context, when its config can be read here (builtin fixtures,
     folders under the model roots, cached hub snapshots: `api.target_checks.local_config`);
   - `vllm` asked for (`resources.target_engine`, `data.regenerate.engine`, `eval.engine`) where the
-    workers have no vLLM engine (`Settings.vllm_available`).
+    workers have no vLLM engine (`Settings.vllm_available`);
+  - no live worker consumes the job's queue (`/queue`), or none of them has `resources.gpus` GPUs
+    (`service.db.workers`, as `Settings.worker_check` says).
 
   Create and clone answer 422 `spec_invalid` and queue nothing; the dry run answers 200 with
   `valid: false` and the same `problems` (and still its estimate).
@@ -40,10 +42,11 @@ from peagle.spec import TrainSpec
 from peagle.spec.targets import is_hub_id
 from service.channels import dataset_id
 from service.db.models import Dataset
+from service.db.workers import worker_problems
 
-__all__ = ["Preflight", "preflight"]
+__all__ = ["Preflight", "WorkerCheck", "preflight"]
 
-_SECTIONS = {"target": 0, "data": 1, "eval": 2, "resources": 3}
+_SECTIONS = {"target": 0, "data": 1, "eval": 2, "resources": 3, "queue": 4}
 
 
 @dataclass
@@ -114,13 +117,26 @@ def _engine_problems(spec: TrainSpec, vllm_available: bool) -> list[dict[str, st
     return [{"param": param, "message": f"'vllm' {why}"} for param, value in asks if value == "vllm"]
 
 
+@dataclass(frozen=True)
+class WorkerCheck:
+    """Which workers must be able to take the job: its queue, `Settings.worker_check`, heartbeat age."""
+
+    queue: str
+    mode: str = "auto"
+    stale_after_s: float = 60.0
+
+
 def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path], *,
-              vllm_available: bool = True, hub: HubProbe | None = None) -> Preflight:
+              vllm_available: bool = True, hub: HubProbe | None = None, workers: WorkerCheck | None = None
+              ) -> Preflight:
     """Every problem of `spec` knowable before queueing, for this owner (module docstring); `hub` None
-    leaves hub ids to the worker."""
+    leaves hub ids to the worker, `workers` None does not look at the workers."""
     out = Preflight(problems=access_problems(spec, model_roots))
     out.forbidden = bool(out.problems)
     out.problems += _target_problems(spec, model_roots, hub)
+    if workers is not None:
+        out.problems += worker_problems(session, queue=workers.queue, gpus=spec.resources.gpus,
+                                        stale_after_s=workers.stale_after_s, mode=workers.mode)
     out.problems += _engine_problems(spec, vllm_available)
     # (param, `dataset:<id>`, rows skipped, is a data source) of every dataset ref: sources and prompt sets
     named = [(f"/data/sources/{i}/path", src.path, src.skip, True) for i, src in enumerate(spec.data.sources)]

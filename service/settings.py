@@ -75,6 +75,13 @@ class Settings(BaseSettings):
         "auto = whether this machine can (embedded mode: the API and the worker share it; `make vllm-env`). The "
         "dry run resolves `target_engine: auto` by it, and a job asking for `vllm` where it is `no` is refused.")
     worker_queue: str = Field(default="cpu", description="Celery queue this worker consumes (per GPU kind).")
+    worker_gpus: int | None = Field(
+        default=None, ge=0, description="GPUs this worker announces (`service.db.workers`); None = those it "
+        "sees (CUDA_VISIBLE_DEVICES, else nvidia-smi).")
+    worker_check: Literal["auto", "yes", "no"] = Field(
+        default="auto", description="Whether the API refuses a job that no live worker can take (none consumes "
+        "its queue, or none has resources.gpus GPUs): auto = once workers have announced themselves to the "
+        "database; yes = always (no worker running is refused too); no = never.")
     heartbeat_seconds: float = Field(default=5.0, gt=0, description="Worker lease heartbeat interval.")
     lease_seconds: float = Field(default=60.0, gt=0, description="A job whose heartbeat is older is requeued.")
     kill_grace_seconds: float = Field(default=60.0, gt=0, description="SIGTERM -> SIGKILL grace for trainers.")

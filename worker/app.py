@@ -36,6 +36,7 @@ from celery import Celery, signals
 from peagle.engine.procs import spawn
 from service.queue import worker_argv, worker_config
 from service.settings import Settings, get_settings
+from worker.announce import Announcer
 from worker.tasks import register_tasks
 
 __all__ = ["accept_root", "main", "main_parser", "make_celery", "queue_names", "start_reaper", "stop_running_jobs"]
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         start_reaper(settings, names)
     signals.worker_shutting_down.connect(stop_running_jobs, weak=False)
     hostname = args.hostname or f"peagle-{names[0]}@{socket.gethostname()}-{os.getpid()}"
+    announcer = Announcer(settings, name=hostname, queues=names)  # its row tells the API what it takes
+    signals.worker_ready.connect(announcer.start, weak=False)
+    signals.worker_shutdown.connect(announcer.stop, weak=False)
     app.worker_main(argv=[
         "worker", f"--loglevel={settings.log_level.upper()}", f"--queues={','.join(names)}",
         f"--hostname={hostname}", *worker_argv(), "--without-gossip", "--without-mingle", "--without-heartbeat",

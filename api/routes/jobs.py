@@ -23,7 +23,7 @@ from api.errors import ApiError, spec_error
 from api.estimate import estimate
 from api.history import history
 from api.openapi import AUTH, error_responses, header
-from api.preflight import Preflight, preflight
+from api.preflight import Preflight, WorkerCheck, preflight
 from api.responses import json_ok, jsonable
 from api.schemas import (
     CloneRequest,
@@ -93,12 +93,14 @@ def _queue_error(exc: jobs.QueueUnavailable) -> ApiError:
     return ApiError(503, "queue_unavailable", f"{exc}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec, *, dry_run: bool = False
-               ) -> Preflight:
+def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec, *, queue: str,
+               dry_run: bool = False) -> Preflight:
     """`api.preflight`: 422 for what the owner may not name or what cannot run (a dry run only reports the
-    latter); the reports of the owner's datasets."""
-    checked = preflight(session, owner_id, spec, state.settings.model_roots,
-                        vllm_available=state.vllm_available, hub=state.hub_probe)
+    latter), the workers of `queue` included; the reports of the owner's datasets."""
+    settings = state.settings
+    workers = WorkerCheck(queue=queue, mode=settings.worker_check, stale_after_s=settings.lease_seconds)
+    checked = preflight(session, owner_id, spec, settings.model_roots, vllm_available=state.vllm_available,
+                        hub=state.hub_probe, workers=workers)
     checked.check(dry_run=dry_run)
     return checked
 
@@ -143,8 +145,8 @@ def create_job(
     Same `Idempotency-Key` + same body replays the first answer; a different body is 409.
     """
     spec = _resolve_spec(body)
-    checked = _preflight(state, session, principal.owner_id, spec, dry_run=dry_run)
     queue = body.queue or state.settings.worker_queue
+    checked = _preflight(state, session, principal.owner_id, spec, queue=queue, dry_run=dry_run)
     if dry_run:
         running, queued = repo.queue_ahead(session, queue)
         est = estimate(spec, dataset_rows=checked.reports, queue=queue, queue_position=running + queued,
@@ -322,7 +324,7 @@ def clone_job(job_id: str, state: State, session: DB, principal: Writer,
         spec = parse_spec(data)
     except SpecInvalidError as exc:
         raise spec_error(exc, prefix=()) from None
-    _preflight(state, session, principal.owner_id, spec)
+    _preflight(state, session, principal.owner_id, spec, queue=src.queue)
     job = submit(state, session, principal, spec, name=body.name or f"{src.name} (clone)"[:200],
                  tags=body.tags, queue=src.queue)
     return job_public(job)

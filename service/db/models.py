@@ -29,6 +29,7 @@ __all__ = [
     "UTCDateTime",
     "WebhookDelivery",
     "WebhookEndpoint",
+    "Worker",
     "new_id",
     "utcnow",
 ]
@@ -310,3 +311,17 @@ class WebhookDelivery(Base):
     last_status_code: Mapped[int | None] = mapped_column(sa.Integer, default=None)
     last_error: Mapped[str | None] = mapped_column(sa.Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Worker(Base):
+    """A running worker as it announces itself (`service.db.workers`): the queues it consumes, its GPUs and
+    its last heartbeat. The API reads these rows to refuse a job no live worker can take; a worker that
+    stops deletes its row, one that dies leaves it to go stale."""
+
+    __tablename__ = "worker"
+
+    name: Mapped[str] = mapped_column(sa.String(255), primary_key=True)  # the Celery node name
+    queues: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    gpus: Mapped[int] = mapped_column(sa.Integer, default=0)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
