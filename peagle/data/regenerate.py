@@ -208,6 +208,7 @@ class _Progress:
     def __init__(self, sink: ProgressSink | None, total: int, done: int, every_s: float, clock: Callable[[], float]) -> None:
         self.sink, self.total, self.done, self.every_s, self.clock = sink, total, done, every_s, clock
         self.generated = 0
+        self.answers = 0
         self.tokens = 0
         self.t0: float | None = None
         self.last: float | None = None
@@ -223,6 +224,21 @@ class _Progress:
         if self.last is None or self.done >= self.total or now - self.last >= self.every_s:
             self.last = now
             self.emit(now)
+
+    def answered(self) -> None:
+        """One more answer came back (a turn: a conversation can have several)."""
+        self.answers += 1
+
+    def tick(self) -> None:
+        """While conversations are in flight and none finished for `every_s`: a line that says so (a first
+        answer of a long batch can take minutes on a CPU)."""
+        now = self.clock()
+        if self.last is None or now - self.last >= self.every_s:
+            self.last = now
+            if self.sink is not None:
+                t0 = self.t0 if self.t0 is not None else now
+                self.sink.log("info", f"regenerating {self.done}/{self.total} conversations: {self.answers} answers "
+                                      f"back, generating for {format_duration(now - t0)}")
 
     def rate(self, now: float) -> float:
         return self.tokens / (now - self.t0) if self.t0 is not None and now > self.t0 else 0.0
@@ -261,20 +277,39 @@ def _run_lockstep(runs: list[ConversationRun], backend: Any, width: int, done: C
 
 
 async def _run_concurrent(runs: list[ConversationRun], backend: Any, width: int,
-                          done: Callable[[ConversationRun], None]) -> None:
-    """`width` conversations in flight; each sends its next turn as soon as its last answer is back."""
+                          done: Callable[[ConversationRun], None], progress: _Progress | None = None) -> None:
+    """`width` conversations in flight; each sends its next turn as soon as its last answer is back.
+    `progress` counts the answers and gets a `tick` every `progress.every_s` seconds (same thread)."""
     queue = iter(runs)
+    n_workers = min(width, len(runs))
+    left = [n_workers]
+    ticking: list[asyncio.Task[None]] = []
 
     async def worker() -> None:
-        for run in queue:  # one iterator shared by the workers (one thread: no two take the same run)
-            while run.pending is not None:
-                run.accept(await backend.agenerate(run.pending))
-                run.next_request()
-            done(run)
+        try:
+            for run in queue:  # one iterator shared by the workers (one thread: no two take the same run)
+                while run.pending is not None:
+                    run.accept(await backend.agenerate(run.pending))
+                    if progress is not None:
+                        progress.answered()
+                    run.next_request()
+                done(run)
+        finally:
+            left[0] -= 1
+            if left[0] == 0:  # the last worker stops the ticker (a cancelled task is no error in a group)
+                for t in ticking:
+                    t.cancel()
+
+    async def ticker(p: _Progress) -> None:
+        while True:
+            await asyncio.sleep(max(p.every_s, 0.1))
+            p.tick()
 
     try:
         async with asyncio.TaskGroup() as group:
-            for _ in range(min(width, len(runs))):
+            if progress is not None and n_workers:
+                ticking.append(group.create_task(ticker(progress)))
+            for _ in range(n_workers):
                 group.create_task(worker())
     except BaseExceptionGroup as eg:  # the first failure, as itself (an EngineError names the engine log)
         raise eg.exceptions[0] from None
@@ -357,7 +392,7 @@ def regenerate_conversations(
                 t_gen = clock()
                 width = max(1, settings.batch_size)
                 if getattr(backend, "concurrent", False):
-                    run_sync(_run_concurrent(todo, backend, width, done))
+                    run_sync(_run_concurrent(todo, backend, width, done, progress))
                 else:
                     _run_lockstep(todo, backend, width, done)
                 gen_s = clock() - t_gen

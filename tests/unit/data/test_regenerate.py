@@ -469,3 +469,32 @@ def test_regeneration_runs_under_a_running_event_loop(smollm2_tokenizer, tmp_pat
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # a thread with no loop of its own yet
         res = pool.submit(asyncio.run, inside_a_loop()).result()
     assert res.conversations == plain.conversations and res.reasons == plain.reasons
+
+
+class SlowTurns(Scripted):
+    """Each answer takes `delay` seconds (a CPU engine: a first conversation can take minutes)."""
+
+    def __init__(self, tokenizer, *, delay: float) -> None:
+        super().__init__(tokenizer, concurrent=True)
+        self.delay = delay
+
+    async def agenerate(self, req: TurnRequest) -> TurnResult:
+        await asyncio.sleep(self.delay)
+        return self._answer(req)
+
+
+def test_a_long_first_conversation_still_gets_lines(smollm2_tokenizer, tmp_path):
+    """Issue 39: nothing in the job log for five minutes of regeneration. A line before the engine starts,
+    one when it is up, and while no conversation finishes, a line every `progress_every_s` that says how
+    many answers came back."""
+    sink = Sink()
+    convs = [_conv(("user", "q1"), ("assistant", "a"), ("user", "q2"), ("assistant", "b"), ("user", "q3"),
+                   ("assistant", "c"))]
+    _run(smollm2_tokenizer, convs, _settings(batch_size=1), SlowTurns(smollm2_tokenizer, delay=0.5), tmp_path,
+         sink=sink, progress_every_s=0.3)
+    lines = [m for r, _l, m in sink.records if r == "log"]
+    assert lines[0].startswith("regenerating 1 conversations (0 of 1 from the cache): starting the")
+    assert lines[1] == "regenerating 0/1 conversations (0%)"
+    waiting = [line for line in lines if line.startswith("regenerating 0/1 conversations: ")]
+    assert len(waiting) >= 2 and "answers back, generating for" in waiting[0], lines
+    assert lines[-1].startswith("regenerating 1/1 conversations (100%) tokens/s")
