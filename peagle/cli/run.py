@@ -136,14 +136,14 @@ def train_cmd(
     # go to a piped stdout (the worker: it files stderr lines in the job log, which has the records already).
     console = ConsoleSink(sys.stderr, bar=sys.stderr.isatty()) \
         if sys.stderr.isatty() or progress_jsonl != "-" else None
-    if console is not None:
-        console.log("info", f"peagle train {spec_file} -> {out}: loading")
     sinks: list[ProgressSink] = []
     try:
         spec = _load_spec(spec_file)
     except Exception as exc:
         _report_error(progress_jsonl, exc)
         raise
+    if console is not None:  # after the spec: a bad spec still ends with its one `error:` line
+        console.log("info", f"peagle train {spec_file} -> {out}: loading")
     out.mkdir(parents=True, exist_ok=True)
     file_sink = JsonlSink(out / "progress.jsonl")
     sinks.append(file_sink)
@@ -337,8 +337,6 @@ def eval_cmd(
 
     if speedup and engine == Engine.reference:
         raise _fail("--speedup times vLLM serving: use --engine vllm (or both)", EXIT_CODES["spec_invalid"])
-    console = ConsoleSink(sys.stderr, bar=sys.stderr.isatty())  # progress on stderr; the report on stdout
-    console.log("info", f"peagle eval {directory}: loading")
     src = _export_dir_of(directory)
     if engine != Engine.reference and target is None:  # refused now, not by vLLM's trace minutes later
         from peagle.export.machine import vllm_here_problems
@@ -351,6 +349,9 @@ def eval_cmd(
     if speedup:
         k = num_speculative_tokens or num_speculative_tokens_of(read_export_config(src))
         plan = plan_speedup(k, num_prompts, sweep=sweep, batch_sizes=batch_sizes, rounds=rounds)
+    # progress on stderr (the report goes to stdout), once the arguments were checked (a mistake: one line)
+    console = ConsoleSink(sys.stderr, bar=sys.stderr.isatty())
+    console.log("info", f"peagle eval {directory}: loading")
     report = run_eval(
         src, prompts=prompts, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
         num_speculative_tokens=num_speculative_tokens, engine=engine.value, target=target, dtype=dtype,

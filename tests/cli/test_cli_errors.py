@@ -25,6 +25,16 @@ def _one_line(result) -> str:
     return lines[0]
 
 
+def _ends_with_one_error_line(result) -> str:
+    """A mistake found once the run started (issue 39: `peagle train` shows its progress on stderr): the
+    progress lines, then ONE `error:` line, the last; never a traceback."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], result.stderr
+    assert lines[0].startswith("peagle train "), result.stderr  # the progress came first
+    return lines[-1]
+
+
 def test_real_process_prints_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "peagle", "train", str(tmp_path / "nope.yaml"), "--out",
                            str(tmp_path / "run")], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
@@ -48,7 +58,7 @@ def test_train_unknown_target(tmp_path):
     spec.write_text("target:\n  model: builtin:nope\n")
     r = _peagle("train", str(spec), "--out", str(tmp_path / "run"))
     assert r.exit_code == EXIT_CODES["target_load_failed"]
-    assert "builtin:nope" in _one_line(r)
+    assert "builtin:nope" in _ends_with_one_error_line(r)  # found while loading: after the progress lines
     err = json.loads((tmp_path / "run" / "progress.jsonl").read_text().splitlines()[-1])
     assert err["kind"] == "error" and err["code"] == "target_load_failed"
 
