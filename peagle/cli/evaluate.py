@@ -13,6 +13,7 @@ it comes, and while the vLLM probe runs (engine starts, every K and batch size o
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -28,8 +29,11 @@ __all__ = ["EVAL_DTYPES", "reference_dtypes", "run_eval"]
 #: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
 EVAL_DTYPES = ("auto", "float32", "bfloat16")
 
-#: Seconds between two "still running" lines while a vLLM probe runs (it says nothing until it is done).
+#: Seconds between two "still running" lines while a vLLM probe runs and says nothing new.
 HEARTBEAT_S = 15.0
+
+#: The probe's progress lines in its log (`peagle.engine.probe.PROGRESS_PREFIX`; the probe imports no peagle).
+PROBE_PREFIX = "peagle-probe: "
 
 #: What a report drops when it is printed (token ids of every output).
 _BULKY = ("outputs", "counters")
@@ -61,14 +65,36 @@ def _slim(report: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _heartbeat(sink: ProgressSink, what: str, *, every_s: float) -> Iterator[None]:
-    """A log line `what: running for 1m15s` every `every_s` seconds until the block ends (a thread)."""
+def _heartbeat(sink: ProgressSink, what: str, *, every_s: float, log: Path | None = None) -> Iterator[None]:
+    """While the block runs (a thread): the probe's progress lines (`peagle-probe: ...` in `log`, each K,
+    round and batch size of a sweep) as they come, and `what: running for 1m15s` when nothing was said
+    for `every_s` seconds."""
     stop = threading.Event()
-    t0 = time.monotonic()
+    t0 = last = time.monotonic()
+    offset = 0
+
+    def probe_lines() -> list[str]:
+        nonlocal offset
+        if log is None or not log.is_file():
+            return []
+        with log.open("rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+        end = chunk.rfind(b"\n") + 1  # whole lines only
+        offset += end
+        text = chunk[:end].decode("utf-8", errors="replace")
+        return [line[len(PROBE_PREFIX):] for line in text.splitlines() if line.startswith(PROBE_PREFIX)]
 
     def beat() -> None:
-        while not stop.wait(every_s):
-            sink.log("info", f"{what}: running for {format_duration(time.monotonic() - t0)}")
+        nonlocal last
+        while not stop.wait(min(1.0, every_s)):
+            now = time.monotonic()
+            for line in probe_lines():
+                sink.log("info", f"{what}: {line}")
+                last = now
+            if now - last >= every_s:
+                sink.log("info", f"{what}: running for {format_duration(now - t0)}")
+                last = now
 
     thread = threading.Thread(target=beat, name="peagle-eval-heartbeat", daemon=True)
     thread.start()
@@ -188,9 +214,11 @@ def run_eval(
     if engine in ("vllm", "both"):
         what = f"vLLM: AL on {', '.join(sets)} at K={k}" + (f", {_speedup_text(speedup)}" if speedup else "")
         out_sink.log("info", f"{what}: starting the engines")
-        with _heartbeat(out_sink, "vLLM probe", every_s=heartbeat_s):
-            res = measure_vllm(export_dir, sets, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
-                               speedup=speedup, verifier=tpath)  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:  # the probe's log, read as it grows
+            log = Path(tmp) / "vllm.log"
+            with _heartbeat(out_sink, "vLLM probe", every_s=heartbeat_s, log=log):
+                res = measure_vllm(export_dir, sets, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
+                                   speedup=speedup, verifier=tpath, log_path=log)  # fmt: skip
         out_sink.log("info", "vLLM: done")
         facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
         v_first = {**facts, **_slim(res["prompt_sets"][first])}

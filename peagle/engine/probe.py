@@ -45,6 +45,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: Prefix of the progress lines the probe prints to its stdout (its log): `peagle eval` shows them as they come.
+PROGRESS_PREFIX = "peagle-probe: "
+
+
+def _say(message: str) -> None:
+    """A progress line in the probe's log (what `peagle eval` forwards while the probe runs)."""
+    print(PROGRESS_PREFIX + message, flush=True)  # noqa: T201 - the probe's stdout is its log file
+
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -410,11 +418,12 @@ def _run_speedup(engines: _Engines, sp: dict[str, Any], plan_file: str, footprin
         return engine
 
     try:
-        for k in ks:
+        for i, k in enumerate(ks):
             drop("spec")  # the previous K's draft engine
             first: dict[tuple[str, int], list[list[int]]] = {}
             for r in range(rounds):
                 for b in sizes:
+                    _say(f"speedup K={k} ({i + 1}/{len(ks)}), round {r + 1}/{rounds}, batch size {b}")
                     timed = _interleaved(load, k, prompts, b, max_tokens, r, whole_pass=mode == "alternate")
                     for side, p in timed.items():
                         if r == 0:
@@ -455,6 +464,7 @@ def main(argv: list[str]) -> int:
                               "hardware": _hardware(device)}
     rss0 = _rss_gb() or 0.0
     t0 = time.perf_counter()
+    _say("loading the draft engine")
     llm = engines.make(plan.get("num_speculative_tokens"), spec=True)
     result["load_seconds"] = round(time.perf_counter() - t0, 2)
     footprint = (_rss_gb() or 0.0) - rss0
@@ -462,6 +472,8 @@ def main(argv: list[str]) -> int:
     result.update(check)
     result["parallel_drafting_ok"] = not check["problems"]
     if plan.get("al"):
+        _say(f"engine loaded in {result['load_seconds']:.0f} s: acceptance length on {len(plan['al']['sets'])} "
+             "prompt set(s)")
         result["al"] = {"max_new_tokens": plan["al"]["max_new_tokens"], "sets": _run_al(llm, plan["al"])}
     del llm  # the speedup's engines run in processes of their own
     gc.collect()

@@ -189,3 +189,27 @@ def test_the_vllm_probe_gets_a_heartbeat_line_while_it_runs() -> None:
     assert 3 <= len(lines) <= 5 and all(line.startswith("vLLM probe: running for ") for line in lines), lines
     time.sleep(0.4)
     assert len([r for r in sink.records if r["type"] == "log"]) == len(lines)  # stops with the block
+
+
+def test_the_probe_progress_lines_are_forwarded_as_they_come(tmp_path: Path) -> None:
+    """`peagle eval --speedup --sweep`: each K, round and batch size the probe starts (its `peagle-probe:` lines,
+    amid vLLM's own output in its log) is shown while it runs; a line being written is not cut."""
+    from peagle.cli.evaluate import PROBE_PREFIX, _heartbeat
+    from peagle.engine.probe import PROGRESS_PREFIX
+    from peagle.progress import RecordingSink
+
+    assert PROBE_PREFIX == PROGRESS_PREFIX  # the probe imports no peagle: the two constants must agree
+    log = tmp_path / "vllm.log"
+    sink = RecordingSink()
+    with _heartbeat(sink, "vLLM probe", every_s=30.0, log=log):
+        time.sleep(0.3)
+        with log.open("a") as fh:
+            fh.write("INFO vllm loading\npeagle-probe: speedup K=1 (1/2), round 1/2, batch size 1\npeagle-probe: half")
+            fh.flush()
+            time.sleep(1.5)
+            lines = [r["message"] for r in sink.records if r["type"] == "log"]
+            assert lines == ["vLLM probe: speedup K=1 (1/2), round 1/2, batch size 1"]
+            fh.write(" a line\n")
+        time.sleep(1.5)
+    lines = [r["message"] for r in sink.records if r["type"] == "log"]
+    assert lines == ["vLLM probe: speedup K=1 (1/2), round 1/2, batch size 1", "vLLM probe: half a line"]
