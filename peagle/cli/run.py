@@ -265,13 +265,13 @@ def validate_cmd(
                                   "this machine's vLLM can run it (for an export served elsewhere)."),
 ) -> None:
     """Check a directory against every rule vLLM enforces for a P-EAGLE draft, and whether this machine's
-    vLLM can run it (`peagle.export.machine`: vLLM's CPU attention takes only some head sizes).
+    vLLM can run it (`peagle.engine.machine`: vLLM's CPU attention takes only some head sizes).
 
     Errors (vLLM refuses the draft or serves it wrongly, or cannot run it here) exit 8; warnings
     (conventions vLLM does not enforce, e.g. fp32 weights) are printed to stderr and exit 0.
     """
+    from peagle.engine.machine import vllm_here_problems
     from peagle.errors import ExportInvalidError
-    from peagle.export.machine import vllm_here_problems
     from peagle.export.rules import validate_export_report
 
     target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
@@ -339,7 +339,7 @@ def eval_cmd(
         raise _fail("--speedup times vLLM serving: use --engine vllm (or both)", EXIT_CODES["spec_invalid"])
     src = _export_dir_of(directory)
     if engine != Engine.reference and target is None:  # refused now, not by vLLM's trace minutes later
-        from peagle.export.machine import vllm_here_problems
+        from peagle.engine.machine import vllm_here_problems
 
         not_here = vllm_here_problems(src)
         if not_here:

@@ -222,6 +222,10 @@ def test_browser_session_and_stream_token(client: TestClient, sim: Sim, submit: 
     assert client.post("/v1/auth/session", json={"api_key": key + "x"}).status_code == 401
     assert client.get(f"/v1/jobs/{jid}/events?token={tok}").status_code == 401  # token only on streams
     sim.set(jid, status="succeeded")
+    # a token the signed-out session minted died with it (tests/api/test_token_revocation.py)
+    assert client.get(f"/v1/jobs/{jid}/events/stream?token={tok}").status_code == 401
+    tok = client.post("/v1/auth/stream-token", json={"job_id": jid},
+                      headers={"Authorization": f"Bearer {key}"}).json()["token"]  # an API key's token
     with client.stream("GET", f"/v1/jobs/{jid}/events/stream?token={tok}") as s:
         assert s.status_code == 200
         assert "event: end" in s.read().decode()

@@ -85,7 +85,7 @@ def test_validate_passes_on_run_and_export(tiny_run):
     """The tiny export is valid; where vLLM runs on the CPU (head_dim 16 is refused there) `peagle validate`
     says it cannot run here (issue 39: it passed, then `peagle eval --engine vllm` failed minutes later)."""
     from peagle.engine.locate import vllm_python
-    from peagle.export.machine import vllm_runs_on_cpu
+    from peagle.engine.machine import vllm_runs_on_cpu
 
     run, _ = tiny_run
     python = vllm_python()
@@ -110,7 +110,7 @@ def test_eval_with_vllm_refuses_at_once_what_this_machine_cannot_run(tiny_run):
     import time
 
     from peagle.engine.locate import vllm_python
-    from peagle.export.machine import vllm_runs_on_cpu
+    from peagle.engine.machine import vllm_runs_on_cpu
 
     python = vllm_python()
     if python is None or not vllm_runs_on_cpu(python):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from peagle.engine.locate import vllm_python
-from peagle.export.machine import (
+from peagle.engine.machine import (
     CPU_ATTENTION_HEAD_SIZES,
     cpu_head_problems,
     vllm_here_problems,
