@@ -129,24 +129,10 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _processes_mentioning(marker: str) -> list[int]:
-    """Live processes (zombies excluded, this one too) whose command line contains `marker`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            out.append(int(entry.name))
-    return out
-
-
 @pytest.fixture
 def processes_mentioning():
     """`processes_mentioning(marker)` -> pids of live processes whose command line contains `marker` (the
     engine tests look for leftover vLLM processes by their model or run folder)."""
-    return _processes_mentioning
+    from tests.waiting import processes_mentioning
+
+    return processes_mentioning

@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from peagle.engine.server import EngineConfig, VllmServer
 from peagle.errors import EngineError
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -27,14 +27,6 @@ ENGINE_READY_S = float(inspect.signature(VllmServer).parameters["startup_timeout
 BOUND_S = ENGINE_READY_S + 120.0
 #: How long processes that need no engine (the guard, plain Pythons) may take to appear or go under load.
 PROCESS_S = 180.0
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 STARTER = """

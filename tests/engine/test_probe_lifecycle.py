@@ -15,20 +15,13 @@ import pytest
 
 from peagle.engine.server import EngineConfig, VllmServer
 from tests.cli.conftest import smollm2_and_draft
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"PEAGLE_SECRET_KEY": "probe-test-secret-key-0123456789abcdef",
            "PEAGLE_DATABASE_URL": "postgresql+psycopg://peagle:hunter2@db.internal:5432/peagle",
            "PEAGLE_REDIS_URL": "redis://:hunter2@redis.internal:6379/0"}
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def environ_of(pid: int) -> dict[str, str]:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from peagle.engine.procs import group_alive, signal_group, spawn, stop_group
+from tests.waiting import processes_mentioning as pids_mentioning
+from tests.waiting import wait_until as _wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups and PR_SET_PDEATHSIG: Linux")
 
@@ -26,26 +28,7 @@ STUBBORN = (
 
 
 def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def pids_mentioning(marker: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            out.append(int(entry.name))
-    return out
+    _wait_until(cond, timeout, what, every=0.05)
 
 
 def test_spawn_starts_a_group_of_its_own_with_exactly_the_given_environment() -> None:
