@@ -18,7 +18,6 @@ when it cannot be reached at all.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -28,6 +27,7 @@ from urllib.parse import quote
 
 import httpx
 
+from peagle.fileio import read_json
 from peagle.spec.targets import is_hub_id
 
 __all__ = ["HubProbe", "context_problem", "hub_cache_dir", "local_config"]
@@ -43,14 +43,6 @@ def hub_cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface")
     return Path(home).expanduser() / "hub"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _cached_hub_config(repo_id: str, revision: str | None) -> Path | None:
@@ -75,12 +67,12 @@ def local_config(model: str, revision: str | None = None, *, folder: Path | None
     if model in _BUILTIN_FOLDERS:
         root = Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle"))
         built = root / _BUILTIN_FOLDERS[model]
-        return _read_json(built / "config.json") if (built / ".complete").is_file() else None
+        return read_json(built / "config.json") if (built / ".complete").is_file() else None
     if folder is not None:
-        return _read_json(folder / "config.json")
+        return read_json(folder / "config.json")
     if is_hub_id(model):
         path = _cached_hub_config(model, revision)
-        return _read_json(path) if path is not None else None
+        return read_json(path) if path is not None else None
     return None
 
 

@@ -166,3 +166,14 @@ def publish_dir(dest: str | os.PathLike[str], *, tmp_name: str | None = None, mo
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when it is missing, unreadable, not JSON or not an object (a file
+    another process writes, a config that may not be there)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+

@@ -8,7 +8,6 @@ The supervisor folds it (and `resolved_spec.json`) into what the job row stores.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -17,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_json", "worker_provenance"]
+__all__ = ["worker_provenance"]
 
 PACKAGES = ("peagle", "torch", "transformers", "tokenizers", "safetensors", "numpy", "celery", "kombu",
             "sqlalchemy", "pydantic")
@@ -80,10 +79,3 @@ def worker_provenance(*, argv: list[str], attempt: int) -> dict[str, Any]:
     }
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from `path`, or None if missing or unreadable (written by another process)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle.engine.procs import signal_group
 from peagle.errors import EXIT_CODES
-from peagle.fileio import atomic_write_json
+from peagle.fileio import atomic_write_json, read_json
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec
 from service.channels import dataset_id
 from service.db import states
@@ -65,7 +65,7 @@ from service.db.session import session_scope
 from service.settings import Settings
 from worker.live import Publisher
 from worker.progress import ProgressCollector, recover
-from worker.provenance import read_json, worker_provenance
+from worker.provenance import worker_provenance
 from worker.redact import Redactor
 from worker.trainer import build_command, classify_exit, start_trainer, trainer_env, trainer_environment
 

@@ -14,9 +14,10 @@ is visible.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from peagle.fileio import read_json
 
 __all__ = ["CPU_ATTENTION_HEAD_SIZES", "cpu_head_problems", "vllm_here_problems", "vllm_runs_on_cpu"]
 
@@ -62,14 +63,6 @@ def vllm_runs_on_cpu(python: Path) -> bool:
     return not torch.cuda.is_available()
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def vllm_here_problems(export_dir: Path) -> list[str]:
     """Why this machine's vLLM cannot run the export in `export_dir` (module docstring); [] if it can."""
     from peagle.builtin import local_verifier
@@ -77,7 +70,7 @@ def vllm_here_problems(export_dir: Path) -> list[str]:
     from peagle.export.rules import verifier_of
 
     python = vllm_python()
-    cfg = _read(export_dir / "config.json")
+    cfg = read_json(export_dir / "config.json")
     if python is None or cfg is None or not vllm_runs_on_cpu(python):
         return []
     layer = cfg.get("transformer_layer_config")
@@ -87,7 +80,7 @@ def vllm_here_problems(export_dir: Path) -> list[str]:
     if name is not None:
         where = local_verifier(name)
         if isinstance(where, Path) or Path(where).is_dir():
-            verifier = _read(Path(where) / "config.json")
+            verifier = read_json(Path(where) / "config.json")
         else:  # a hub id: its cached config, if any (nothing is downloaded to judge it)
             from huggingface_hub import try_to_load_from_cache
 
@@ -95,5 +88,5 @@ def vllm_here_problems(export_dir: Path) -> list[str]:
                 cached = try_to_load_from_cache(where, "config.json")
             except ValueError:
                 cached = None
-            verifier = _read(Path(cached)) if isinstance(cached, str) else None
+            verifier = read_json(Path(cached)) if isinstance(cached, str) else None
     return cpu_head_problems(draft_layer=draft_layer, verifier=verifier, verifier_name=name)
