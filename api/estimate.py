@@ -302,8 +302,10 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         vllm_available: whether the workers can run the vLLM target engine (resolves `target_engine: auto`).
     """
     notes: list[str] = []
-    if vllm_available is not None:  # estimate what the worker will run: the engines resolved
-        spec = spec.resolve(cuda_available=spec.resources.gpus > 0, vllm_available=vllm_available)
+    # estimate what the worker will run: the engines resolved (when known) and `target.dtype: auto` by what
+    # this host's CPU runs natively (the workers share it in docker-compose)
+    spec = spec.resolve(cuda_available=spec.resources.gpus > 0, vllm_available=vllm_available,
+                        device_facts=cpu_facts())
     fun = _data_funnel(spec, dataset_rows, notes)
     steps = _steps(spec, fun["packed_rows"] or 0)
     o = spec.optim
@@ -357,8 +359,7 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "feature_bytes_per_token": per_token,
         "offline_dump_bytes": dump,
         "target_engine": engine,
-        # auto resolved by what this host's CPU runs natively (the workers share it in docker-compose)
-        "target_dtype": spec.resolve(cuda_available=spec.resources.gpus > 0, device_facts=cpu_facts()).target.dtype,
+        "target_dtype": spec.target.dtype,
         "wall_clock_seconds": round(total, 1),
         "wall_clock_range_seconds": [round(lo, 1), round(hi, 1)],
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},

@@ -14,6 +14,8 @@
         ├── IllegalTransition              illegal_transition     service.db.states: state machine refuses
         ├── ConcurrencyLimited             concurrency_limited    service.db.lease: owner at its job limit
         ├── LeaseLost                      lease_lost             service.db.lease: the lease is not ours
+        ├── QuotaExceeded                  quota_exceeded         service.db.jobs: owner's queued-jobs quota
+        ├── QueueUnavailable               queue_unavailable      service.db.jobs: the broker refused the job
         └── ApiError                       (per instance)         api.errors: rendered as the error envelope
 
 `SpecInvalidError` is also a `ValueError` so that pydantic validators which parse a nested spec turn it
