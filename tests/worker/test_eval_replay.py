@@ -67,18 +67,25 @@ def test_eval_at_the_crash_step_replayed_by_the_resumed_trainer_is_stored(factor
     assert rows[4][1] == {"eval_loss": 0.5, "acceptance_length": 2.5}
 
 
-def test_eval_at_the_crash_step_recovered_from_progress_jsonl_is_stored(factory: Any, tmp_path: Path) -> None:
+def _resumed_after_crash(factory: Any, tmp_path: Path, printed: list[dict[str, Any]]) -> tuple[str, Supervisor]:
+    """A crashed job whose attempt 0 appended `printed` to RUN/progress.jsonl, claimed again by a new
+    supervisor that has run its backfill."""
     job_id = _crashed_job(factory)
     settings = get_settings(home=tmp_path / "home", artifact_root=tmp_path / "artifacts",
                             database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
     run = settings.resolved_artifact_root() / job_id
     run.mkdir(parents=True)
-    # what attempt 0 printed (and appended to RUN/progress.jsonl) before it died: the eval was never flushed
-    (run / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*_train_records(), EVAL]))
+    (run / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in printed))
     with session_scope(factory) as s:
         lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir=str(run))
     sup = Supervisor(settings, factory, lease)
     sup._backfill()
+    return job_id, sup
+
+
+def test_eval_at_the_crash_step_recovered_from_progress_jsonl_is_stored(factory: Any, tmp_path: Path) -> None:
+    # what attempt 0 printed (and appended to RUN/progress.jsonl) before it died: the eval was never flushed
+    job_id, sup = _resumed_after_crash(factory, tmp_path, [*_train_records(), EVAL])
     rows = _metric_rows(factory, job_id)
     assert [step for step, _ in rows] == [1, 2, 3, 4, 4]
     assert rows[4][1] == {"eval_loss": 0.5, "acceptance_length": 2.5}
@@ -138,17 +145,8 @@ def _batch(records: list[dict[str, Any]]) -> L.Batch:
 
 
 def test_a_final_evaluation_printed_before_a_crash_is_recovered_once(factory: Any, tmp_path: Path) -> None:
-    job_id = _crashed_job(factory)
-    settings = get_settings(home=tmp_path / "home", artifact_root=tmp_path / "artifacts",
-                            database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
-    run = settings.resolved_artifact_root() / job_id
-    run.mkdir(parents=True)
     # attempt 0 printed its in-training eval and its final evaluation, then died before the next flush
-    (run / "progress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*_train_records(), EVAL, *FINAL]))
-    with session_scope(factory) as s:
-        lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir=str(run))
-    sup = Supervisor(settings, factory, lease)
-    sup._backfill()
+    job_id, sup = _resumed_after_crash(factory, tmp_path, [*_train_records(), EVAL, *FINAL])
     for rec in FINAL:  # the resumed trainer evaluates again: a replay
         sup.collector.add(rec)
     with session_scope(factory) as s:
