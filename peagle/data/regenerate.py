@@ -44,19 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from peagle.data.regen_progress import RegenProgress
 from peagle.data.regenerate_cache import RegenCache, conversation_key, group_key, regen_cache_dir
 from peagle.data.regenerate_engines import TurnRequest, TurnResult
 from peagle.data.template import render
 from peagle.engine.aio import run_sync
-from peagle.progress import ProgressSink, format_duration
+from peagle.progress import ProgressSink
 from peagle.spec.funnel import NO_ASSISTANT_TURN, REGEN_ANSWER_CUT, TOO_LONG
-from peagle.spec.metrics import (
-    REGEN_CONVERSATIONS,
-    REGEN_CONVERSATIONS_TOTAL,
-    REGEN_SECONDS_REMAINING,
-    REGEN_TOKENS,
-    REGEN_TOKENS_PER_S,
-)
 
 __all__ = [
     "LENGTH_MARGIN",
@@ -202,66 +196,6 @@ class RegenResult:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-class _Progress:
-    """Rate-limited progress records: done/total conversations, generated tokens/s, ETA."""
-
-    def __init__(self, sink: ProgressSink | None, total: int, done: int, every_s: float, clock: Callable[[], float]) -> None:
-        self.sink, self.total, self.done, self.every_s, self.clock = sink, total, done, every_s, clock
-        self.generated = 0
-        self.answers = 0
-        self.tokens = 0
-        self.t0: float | None = None
-        self.last: float | None = None
-
-    def start(self) -> None:
-        self.t0 = self.clock()
-
-    def add(self, tokens: int) -> None:
-        self.done += 1
-        self.generated += 1
-        self.tokens += tokens
-        now = self.clock()
-        if self.last is None or self.done >= self.total or now - self.last >= self.every_s:
-            self.last = now
-            self.emit(now)
-
-    def answered(self) -> None:
-        """One more answer came back (a turn: a conversation can have several)."""
-        self.answers += 1
-
-    def tick(self) -> None:
-        """While conversations are in flight and none finished for `every_s`: a line that says so (a first
-        answer of a long batch can take minutes on a CPU)."""
-        now = self.clock()
-        if self.last is None or now - self.last >= self.every_s:
-            self.last = now
-            if self.sink is not None:
-                t0 = self.t0 if self.t0 is not None else now
-                self.sink.log("info", f"regenerating {self.done}/{self.total} conversations: {self.answers} answers "
-                                      f"back, generating for {format_duration(now - t0)}")
-
-    def rate(self, now: float) -> float:
-        return self.tokens / (now - self.t0) if self.t0 is not None and now > self.t0 else 0.0
-
-    def emit(self, now: float) -> None:
-        if self.sink is None:
-            return
-        elapsed = now - (self.t0 if self.t0 is not None else now)
-        eta = (self.total - self.done) * elapsed / self.generated if self.generated else None
-        tps = self.rate(now)
-        fields: dict[str, Any] = {REGEN_CONVERSATIONS: self.done, REGEN_CONVERSATIONS_TOTAL: self.total,
-                                  REGEN_TOKENS: self.tokens, REGEN_TOKENS_PER_S: round(tps, 1),
-                                  REGEN_SECONDS_REMAINING: None if eta is None else round(eta, 1)}
-        self.sink.event("progress", phase="regenerating", step=self.done, total_steps=self.total, **fields)
-        pct = 100 * self.done // max(self.total, 1)
-        line = f"regenerating {self.done}/{self.total} conversations ({pct}%)"
-        if self.generated:  # the first record (engine ready, nothing generated yet) has no rate
-            line += f" tokens/s {tps:.0f}"
-        if eta is not None and self.done < self.total:
-            line += f" eta {format_duration(eta)}"
-        self.sink.log("info", line)
-
-
 def _run_lockstep(runs: list[ConversationRun], backend: Any, width: int, done: Callable[[ConversationRun], None]
                   ) -> None:
     """Batches of `width` conversations, advanced together one turn per `backend.generate` call."""
@@ -277,7 +211,7 @@ def _run_lockstep(runs: list[ConversationRun], backend: Any, width: int, done: C
 
 
 async def _run_concurrent(runs: list[ConversationRun], backend: Any, width: int,
-                          done: Callable[[ConversationRun], None], progress: _Progress | None = None) -> None:
+                          done: Callable[[ConversationRun], None], progress: RegenProgress | None = None) -> None:
     """`width` conversations in flight; each sends its next turn as soon as its last answer is back.
     `progress` counts the answers and gets a `tick` every `progress.every_s` seconds (same thread)."""
     queue = iter(runs)
@@ -300,7 +234,7 @@ async def _run_concurrent(runs: list[ConversationRun], backend: Any, width: int,
                 for t in ticking:
                     t.cancel()
 
-    async def ticker(p: _Progress) -> None:
+    async def ticker(p: RegenProgress) -> None:
         while True:
             await asyncio.sleep(max(p.every_s, 0.1))
             p.tick()
@@ -373,7 +307,7 @@ def regenerate_conversations(
                 records[key] = run.record()
             else:
                 todo.append(run)
-        progress = _Progress(sink, len(conversations), len(conversations) - len(todo), progress_every_s, clock)
+        progress = RegenProgress(sink, len(conversations), len(conversations) - len(todo), progress_every_s, clock)
 
         def done(run: ConversationRun) -> None:
             rec = run.record()
