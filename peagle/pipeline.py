@@ -40,7 +40,7 @@ from peagle.progress import ProgressLog, ProgressSink
 from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.targets import portable_verifier
 
-__all__ = ["PipelineResult", "build_initial_draft", "run_pipeline", "verifier_name"]
+__all__ = ["PipelineResult", "WarmStart", "build_initial_draft", "run_pipeline", "verifier_name", "warm_start"]
 
 
 @dataclass
@@ -233,7 +233,12 @@ def run_pipeline(
     )
     if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
         _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
-    vocab = prepared.vocab
+    vocab, mask_token_id = prepared.vocab, int(prepared.mask_token_id)
+    warm = warm_start(spec, target.parts.config.to_dict(), vocab_size) if spec.draft.init_from else None
+    if warm is not None:  # the parent's rows of lm_head mean the parent's tokens: its vocabulary and mask token
+        vocab, mask_token_id = warm.vocab, warm.mask_token_id
+        sink.log("info", f"warm start from {spec.draft.init_from}: its draft vocabulary (Vd={vocab.draft_vocab_size})"
+                         f" and mask token {mask_token_id}")
     # the `heldout` prompt set (held-out conversations up to their answer) and uploaded prompt sets
     heldout = any(ps.name == HELDOUT_PROMPT_SET for ps in spec.eval.prompt_sets)
     sources = PromptSources(document_prompts(prepared.eval) if heldout else [], dataset_root)
@@ -252,7 +257,7 @@ def run_pipeline(
                          sink=_NoPhases(sink)) as (source, eval_source):
         steps = total_steps(spec.optim, source.num_batches())
         resolved = base.resolve(cuda_available=device.type == "cuda", target_num_layers=n_layers,
-                                mask_token_id=int(prepared.mask_token_id),
+                                mask_token_id=mask_token_id,
                                 draft_vocab_size=int(vocab.draft_vocab_size), max_steps=int(steps))
         _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
         facts = {
@@ -263,8 +268,9 @@ def run_pipeline(
             "target_num_layers": n_layers,
             "target_vocab_size": vocab_size,
             "aux_layer_ids": aux_ids,
-            "mask_token_id": int(prepared.mask_token_id),
+            "mask_token_id": mask_token_id,
             "draft_vocab_size": int(vocab.draft_vocab_size),
+            "init_from": warm.provenance if warm is not None else None,
             "total_steps": int(steps),
             "train_rows": len(prepared.train),
             "eval_rows": len(prepared.eval),
@@ -276,8 +282,12 @@ def run_pipeline(
         # overwritten
         resume_from = (find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
                        if spec.draft.mask_hidden_init == "feature_mean" and resume == "auto" else None)
-        draft = build_initial_draft(spec, target.parts, vocab, int(prepared.mask_token_id), aux_ids, source,
-                                    from_checkpoint=resume_from is not None)
+        if warm is not None and resume == "auto" and resume_from is None:
+            resume_from = find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
+        # a resumed run continues from its own checkpoint, never from the parent again
+        draft = build_initial_draft(spec, target.parts, vocab, mask_token_id, aux_ids, source,
+                                    from_checkpoint=resume_from is not None,
+                                    init_weights=warm.state if warm is not None and resume_from is None else None)
         arch = target.architectures
 
         def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
@@ -319,7 +329,8 @@ MASK_HIDDEN_BATCHES = 8
 
 
 def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: int, aux_ids: list[int],
-                        source: Any = None, *, from_checkpoint: bool = False) -> Any:
+                        source: Any = None, *, from_checkpoint: bool = False,
+                        init_weights: dict[str, torch.Tensor] | None = None) -> Any:
     """The untrained draft of a run (seeded by `optim.seed`, embeddings/lm_head rows from the target, the
     decoder layers / fc / final norm too when `draft.layer_init == "target"`, `mask_hidden` from the
     features of the first micro-batches when `draft.mask_hidden_init == "feature_mean"`).
@@ -334,6 +345,9 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
             and "document_ids" [B, N]); needed only for `feature_mean`.
         from_checkpoint: the run resumes from a checkpoint, which replaces every weight: `feature_mean` reads
             nothing and `mask_hidden` keeps its random start.
+        init_weights: a warm start's tensors (`WarmStart.state`, the export's names): they replace the
+            built draft's (the target's norm and head, which exports leave out, stay the target's);
+            `feature_mean` reads nothing.
 
     Raises:
         ValueError: `feature_mean` without a source.
@@ -358,9 +372,81 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
     init_from_target(draft, model, vocab.t2d)
     if spec.draft.layer_init == "target":
         init_layers_from_target(draft, model)
-    if spec.draft.mask_hidden_init == "feature_mean" and not from_checkpoint:
+    if init_weights is not None:
+        from peagle.train.checkpoint import load_init_weights
+
+        load_init_weights(draft, init_weights, source=str(spec.draft.init_from))
+    elif spec.draft.mask_hidden_init == "feature_mean" and not from_checkpoint:
         if source is None:
             raise ValueError("draft.mask_hidden_init feature_mean needs the run's batch source")
         first = (source.batch(0, i) for i in range(min(MASK_HIDDEN_BATCHES, source.num_batches())))
         init_mask_hidden(draft, feature_mean((b["aux"], b["document_ids"]) for b in first))
     return draft
+
+
+@dataclass
+class WarmStart:
+    """The source of a warm start (`draft.init_from`): its export folder, tensors, vocabulary, mask token."""
+
+    export_dir: Path
+    state: dict[str, torch.Tensor]
+    vocab: Any  # DraftVocab
+    mask_token_id: int
+    provenance: dict[str, Any]
+
+
+def warm_start(spec: TrainSpec, target_config: dict[str, Any], vocab_size: int) -> WarmStart:
+    """Read and check the source `spec.draft.init_from` names (a folder here: the service resolves
+    `job:`/`draft:` to one before the trainer starts, `worker.supervisor`).
+
+    Args:
+        spec: the job spec (`draft.init_from` set).
+        target_config: the target's config as a dict (hidden size, vocabulary, layers).
+        vocab_size: V, rows of the target's embedding.
+
+    Raises:
+        SpecInvalidError: (field `draft.init_from`) the source's draft does not fit this job.
+        CheckpointError / ExportInvalidError: the source is missing or not a valid export.
+    """
+    from peagle.data.vocab import DraftVocab
+    from peagle.spec import SpecInvalidError, SpecProblem
+    from peagle.spec.init_from import init_from_problems, parse_init_from
+    from peagle.train.checkpoint import init_source_dir, read_init_weights
+
+    value = str(spec.draft.init_from)
+    ref = parse_init_from(value)
+    if ref.kind != "path":
+        raise SpecInvalidError([SpecProblem(loc=("draft", "init_from"), message=(
+            f"{value!r} names a source of the service (it resolves it before training); here give an export "
+            "folder, a checkpoint folder or a run directory"))])
+    export_dir = init_source_dir(ref.ref)
+    cfg, state = read_init_weights(export_dir)
+    problems = init_from_problems(cfg, spec, target_config, source=f"the draft in {export_dir}")
+    d2t, t2d = state.get("d2t"), state.get("t2d")
+    vd = int(state["lm_head.weight"].shape[0]) if "lm_head.weight" in state else 0
+    if d2t is None and vd != vocab_size:
+        problems.append(f"the draft in {export_dir} has {vd} vocabulary rows and no d2t mapping; the target has "
+                        f"{vocab_size} tokens")
+    if problems:
+        raise SpecInvalidError([SpecProblem(loc=("draft", "init_from"), message=m) for m in problems])
+    if d2t is None:
+        vocab = DraftVocab(torch.arange(vocab_size, dtype=torch.long), vocab_size, None, None)
+    else:
+        selected = d2t.to(torch.long) + torch.arange(vd, dtype=torch.long)  # [Vd] target ids, ascending
+        if t2d is None:
+            t2d = torch.zeros(vocab_size, dtype=torch.bool)
+            t2d[selected] = True
+        vocab = DraftVocab(selected, vocab_size, d2t.to(torch.long), t2d.to(torch.bool))
+    mask = int(cfg.get("mask_token_id", cfg.get("pard_token", 0)))
+    meta = export_dir / "meta.json"
+    step = None
+    if meta.is_file():
+        import json
+
+        try:
+            step = json.loads(meta.read_text(encoding="utf-8")).get("step")
+        except (OSError, ValueError):
+            step = None
+    prov = {"init_from": value, "export_dir": str(export_dir), "step": step, "draft_vocab_size": vd,
+            "mask_token_id": mask}
+    return WarmStart(export_dir, state, vocab, mask, prov)

@@ -128,6 +128,11 @@ def train_cmd(
     resume: Resume = typer.Option(
         Resume.auto, "--resume", help="auto: continue from the newest complete checkpoint."
     ),
+    init_from: str | None = typer.Option(
+        None, "--init-from",
+        help="Warm start (sets draft.init_from): an export folder, a checkpoint folder or a run directory "
+        "(its best checkpoint); the draft starts from its weights, with a fresh optimizer.",
+    ),
 ) -> None:
     """Train a P-EAGLE draft: data, vocab, capture, train, evaluate, export (RUN/export)."""
     from peagle.progress import ConsoleSink, JsonlSink, MultiSink, ProgressSink
@@ -139,6 +144,12 @@ def train_cmd(
     sinks: list[ProgressSink] = []
     try:
         spec = _load_spec(spec_file)
+        if init_from is not None:
+            from peagle.spec import parse_spec
+
+            spec = parse_spec({**spec.model_dump(mode="json", exclude_unset=True),
+                               "draft": {**spec.draft.model_dump(mode="json", exclude_unset=True),
+                                         "init_from": init_from}})
     except Exception as exc:
         _report_error(progress_jsonl, exc)
         raise

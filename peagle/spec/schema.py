@@ -216,6 +216,28 @@ class DraftSpec(_Strict):
         "target feature over the run's first micro-batches, so masked (depth >= 1) slots start as an average "
         "target state (docs/decisions.md decision 25).",
     )
+    init_from: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="Warm start: the draft starts from these weights (the optimizer starts fresh): `job:<id>` "
+        "(the owner's earlier job, its best checkpoint), `job:<id>@step_<N>` (its checkpoint of step N), "
+        "`draft:<id>` (an uploaded draft, `POST /v1/drafts`), or a local export folder (CLI only). The job takes "
+        "the source's draft vocabulary and mask token; its hidden size, decoder layers and aux layer ids must "
+        "match (checked before queueing). docs/warm_start.md.",
+    )
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_shape(cls, value: str | None) -> str | None:
+        from peagle.spec.init_from import parse_init_from
+
+        if value is not None:
+            try:
+                parse_init_from(value)
+            except ValueError as exc:
+                raise PydanticCustomError("init_from", str(exc)) from None
+        return value
 
 
 class PEagleSpec(_Strict):

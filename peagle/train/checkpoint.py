@@ -32,7 +32,10 @@ __all__ = [
     "CheckpointInfo",
     "best_metric_value",
     "find_resumable",
+    "init_source_dir",
+    "load_init_weights",
     "load_training_state",
+    "read_init_weights",
     "read_state",
     "save_checkpoint",
     "step_dirname",
@@ -225,3 +228,83 @@ def load_training_state(path: Path, *, map_location: str | torch.device = "cpu")
         return torch.load(Path(path) / TRAINING_STATE_FILE, map_location=map_location, weights_only=True)
     except (OSError, RuntimeError, EOFError) as exc:
         raise CheckpointError(f"{path}/{TRAINING_STATE_FILE} could not be loaded: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Warm start (`draft.init_from`, peagle/spec/init_from.py): another run's weights as a new run's start
+# --------------------------------------------------------------------------------------------------
+
+
+def init_source_dir(path: str | Path, *, step: int | None = None) -> Path:
+    """The export folder (`config.json` + `model.safetensors`) a warm start reads from `path`.
+
+    `path` is an export folder or a checkpoint folder (both hold the export), or a run directory: its
+    checkpoint of `step`, else its best one (`checkpoints/state.json`).
+
+    Raises:
+        CheckpointError: nothing of that kind there (the message says what was looked for).
+    """
+    p = Path(path).expanduser()
+    if step is None and (p / "config.json").is_file():
+        return p
+    ckpts = p / "checkpoints"
+    if not ckpts.is_dir():
+        raise CheckpointError(f"draft.init_from: {p} is neither an export folder (config.json + model.safetensors) "
+                              "nor a run directory (checkpoints/)")
+    name = step_dirname(step) if step is not None else read_state(ckpts).get("best")
+    if not name:
+        raise CheckpointError(f"draft.init_from: {p} has no best checkpoint (checkpoints/state.json)")
+    found = ckpts / str(name)
+    if not (found / COMPLETE).is_file() or not (found / "config.json").is_file():
+        what = f"checkpoint of step {step}" if step is not None else f"best checkpoint {name}"
+        raise CheckpointError(f"draft.init_from: the {what} of {p} is gone or incomplete (kept: "
+                              f"{', '.join(d.name for d in _complete_dirs(ckpts)) or 'none'})")
+    return found
+
+
+def read_init_weights(export_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) of a valid export folder (`peagle validate`'s rules, then its weights).
+
+    Raises:
+        ExportInvalidError: the folder breaks an export rule.
+        CheckpointError: the weights cannot be read.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from peagle.export.rules import check_export, read_export_config
+
+    check_export(export_dir)
+    cfg = read_export_config(export_dir)
+    try:
+        state = load_file(str(Path(export_dir) / "model.safetensors"))
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"draft.init_from: {export_dir}/model.safetensors could not be read: {exc}") from None
+    return cfg, {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def load_init_weights(draft: Any, state: dict[str, torch.Tensor], *, source: str) -> list[str]:
+    """Copy an export's tensors `state` into `draft` (in place, cast to each parameter's dtype); returns the
+    names of the draft's tensors the export does not carry (training-only ones: the target's norm and head).
+
+    The vocabulary mapping (`d2t` [Vd], `t2d` [V]) must be the draft's own: the rows of `lm_head` mean
+    target tokens through it.
+
+    Raises:
+        CheckpointError: a tensor the draft does not have, one of another shape, or another mapping.
+    """
+    own = draft.state_dict()
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise CheckpointError(f"draft.init_from: {source} has tensors this draft does not: {', '.join(unknown[:5])}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise CheckpointError(f"draft.init_from: {name} of {source} has shape {tuple(t.shape)}, this draft's "
+                                  f"is {tuple(own[name].shape)}")
+        if name in ("d2t", "t2d") and not torch.equal(t.to(own[name].dtype).cpu(), own[name].cpu()):
+            raise CheckpointError(f"draft.init_from: the draft vocabulary mapping ({name}) of {source} differs "
+                                  "from this run's")
+    with torch.no_grad():
+        for name, t in state.items():
+            own[name].copy_(t.to(own[name].dtype))
+    return sorted(set(own) - set(state))
