@@ -345,9 +345,8 @@ def build_initial_draft(spec: TrainSpec, model: Any, vocab: Any, mask_token_id: 
             and "document_ids" [B, N]); needed only for `feature_mean`.
         from_checkpoint: the run resumes from a checkpoint, which replaces every weight: `feature_mean` reads
             nothing and `mask_hidden` keeps its random start.
-        init_weights: a warm start's tensors (`WarmStart.state`, the export's names): they replace the
-            built draft's (the target's norm and head, which exports leave out, stay the target's);
-            `feature_mean` reads nothing.
+        init_weights: a warm start's tensors (`WarmStart.state`, the export's names): they replace every
+            weight of the built draft; `feature_mean` reads nothing.
 
     Raises:
         ValueError: `feature_mean` without a source.

@@ -283,20 +283,21 @@ def read_init_weights(export_dir: Path) -> tuple[dict[str, Any], dict[str, torch
     return cfg, {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def load_init_weights(draft: Any, state: dict[str, torch.Tensor], *, source: str) -> list[str]:
-    """Copy an export's tensors `state` into `draft` (in place, cast to each parameter's dtype); returns the
-    names of the draft's tensors the export does not carry (training-only ones: the target's norm and head).
+def load_init_weights(draft: Any, state: dict[str, torch.Tensor], *, source: str) -> None:
+    """Copy an export's tensors `state` (every tensor of the draft) into `draft`, in place, cast to each
+    parameter's dtype.
 
     The vocabulary mapping (`d2t` [Vd], `t2d` [V]) must be the draft's own: the rows of `lm_head` mean
     target tokens through it.
 
     Raises:
-        CheckpointError: a tensor the draft does not have, one of another shape, or another mapping.
+        CheckpointError: a tensor the draft does not have or lacks, one of another shape, or another mapping.
     """
     own = draft.state_dict()
-    unknown = sorted(set(state) - set(own))
-    if unknown:
-        raise CheckpointError(f"draft.init_from: {source} has tensors this draft does not: {', '.join(unknown[:5])}")
+    unknown, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
+    if unknown or missing:
+        raise CheckpointError(f"draft.init_from: {source} does not hold this draft's tensors (unexpected: "
+                              f"{', '.join(unknown[:5]) or 'none'}; missing: {', '.join(missing[:5]) or 'none'})")
     for name, t in state.items():
         if tuple(t.shape) != tuple(own[name].shape):
             raise CheckpointError(f"draft.init_from: {name} of {source} has shape {tuple(t.shape)}, this draft's "
@@ -307,4 +308,3 @@ def load_init_weights(draft: Any, state: dict[str, torch.Tensor], *, source: str
     with torch.no_grad():
         for name, t in state.items():
             own[name].copy_(t.to(own[name].dtype))
-    return sorted(set(own) - set(state))
