@@ -20,12 +20,15 @@ __all__ = [
     "AuthSession",
     "Base",
     "Checkpoint",
+    "CurrentDraft",
     "Dataset",
     "Job",
     "JobEvent",
     "JobLog",
     "JobMetric",
     "Owner",
+    "PromotionDecision",
+    "Retrain",
     "UTCDateTime",
     "WebhookDelivery",
     "WebhookEndpoint",
@@ -325,3 +328,52 @@ class Worker(Base):
     gpus: Mapped[int] = mapped_column(sa.Integer, default=0)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Retrain(Base):
+    """A retrain child (`POST /v1/jobs/{id}/retrain`): its parent and the batch sizes the owner named for its
+    promotion; the worker compares and decides at the child's end (`service.db.promotion`)."""
+
+    __tablename__ = "retrain"
+
+    child_job_id: Mapped[str] = mapped_column(sa.ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    parent_job_id: Mapped[str] = mapped_column(sa.String(40))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"), index=True)
+    target: Mapped[str] = mapped_column(sa.String(512))  # the spec's target.model
+    batch_sizes: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class CurrentDraft(Base):
+    """The owner's current draft for a target (one per owner and target): a job and its checkpoint."""
+
+    __tablename__ = "current_draft"
+
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"), primary_key=True)
+    target: Mapped[str] = mapped_column(sa.String(512), primary_key=True)
+    job_id: Mapped[str] = mapped_column(sa.String(40))
+    checkpoint_step: Mapped[int | None] = mapped_column(sa.Integer, default=None)
+    decision_id: Mapped[str | None] = mapped_column(sa.String(40), default=None)  # the decision that set it
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class PromotionDecision(Base):
+    """One promotion decision (measured, forced or undone) with both sides' numbers; the log of a target."""
+
+    __tablename__ = "promotion_decision"
+    __table_args__ = (sa.Index("ix_promotion_decision_owner_id_target_id", "owner_id", "target", "id"),)
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("prom"))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"))
+    target: Mapped[str] = mapped_column(sa.String(512))
+    job_id: Mapped[str] = mapped_column(sa.String(40), index=True)  # the candidate (or, undone, the undone one)
+    compared_with: Mapped[str | None] = mapped_column(sa.String(40), default=None)  # the current draft's job
+    current_before: Mapped[str | None] = mapped_column(sa.String(40), default=None)
+    current_after: Mapped[str | None] = mapped_column(sa.String(40), default=None)
+    decision: Mapped[str] = mapped_column(sa.String(16))  # promoted | declined | not_measured | forced | undone
+    forced: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    decided_by: Mapped[str] = mapped_column(sa.String(200))  # "measurement" or the owner's name
+    reason: Mapped[str] = mapped_column(sa.Text, default="")
+    batch_sizes: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
+    numbers: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)  # {"child": ..., "current": ...}
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
