@@ -2,16 +2,19 @@
 
 No torch, no tokenizer, no data read. Two sources, stated in the answer (`basis`, `accuracy`):
 
-* **history**: earlier succeeded jobs on the same queue and device class (`api.history`): each phase's
-  measured seconds over what the calibrated model predicted for that job's own spec; the median ratio per
-  phase scales this job's model, and the spread of the ratios is the stated accuracy.
-* **model** (no history): the calibrated model below. Its constants were measured on the 2-core CPU
-  development machine with the demo preset (SmolLM2-135M, K=4, pack 1024, 2026-11-25, docs/service.md 8):
-  about 1.1 s per training step when quiet, 652 conversations read and prepared in about 4 s, the reference
-  decoder generating about 6 tokens/s with the draft (8 prompts x 64 tokens: 184 s at load average 4, so
-  about 90 s idle), the vLLM serve check about 25 s. Idle total: about 6.5 minutes, as the CLI run of the
-  bench/README.md "The demo end to end" (6 min 21 s). A loaded machine is slower (the demo took 35 min
-  beside four other heavy jobs), hence the stated range `MODEL_RANGE`.
+* **history**: earlier succeeded jobs comparable to this one (`Comparable`: the same target and revision,
+  resolved target dtype, target and regeneration engines and hardware class; `api.history` reads them).
+  Each phase is measured as a rate of its own work (conversations read, regenerated tokens, captured
+  tokens, training tokens, generated tokens: `PhaseModel`), so a comparable job of another size scales;
+  the median rate per phase replaces the model's, and the spread between the jobs is the stated accuracy.
+  A job of another model never informs it.
+* **model** (the phases no comparable job measured): the calibrated model below, for the job's hardware
+  class (`peagle.spec.hardware.hardware_class`: `cpu-bf16`, `cpu-avx512`, `cpu-avx2`, `cpu`, `cuda-<n>gpu`).
+  Its constants were measured on the 2-core `cpu-bf16` development machine (AVX-512 with AMX-BF16) with
+  the demo preset (SmolLM2-135M in bfloat16, K=4, pack 1024; bench/README.md "The demo end to end",
+  docs/experiments.md "Estimates"); `TARGET_SPEED` and `DRAFT_SPEED` scale them for the other classes
+  and target dtypes. A loaded machine is slower, hence the stated range `MODEL_RANGE`
+  (`make bench` checks each phase within 1.5x on this machine: `bench/bench_estimate.py`).
 
 The data funnel uses `peagle.spec.funnel` (the keys the job's data report and the dataset report use):
 a dataset's own validator report when the source is an uploaded dataset, the measured profile of the
@@ -28,9 +31,11 @@ from typing import Any
 
 from peagle.spec import TrainSpec
 from peagle.spec.funnel import DROPPED_BY_REASON, READ, funnel
-from peagle.spec.hardware import cpu_facts
+from peagle.spec.hardware import CPU_CLASSES, DeviceFacts, cpu_facts, hardware_class
 
-__all__ = ["MODEL_RANGE", "PHASE_GROUPS", "Measured", "estimate", "model_seconds", "phase_ratio"]
+__all__ = ["CALIBRATION_CLASS", "HISTORY_JOBS", "MODEL_RANGE", "PHASE_GROUPS", "Comparable", "Measured",
+           "PhaseModel", "PhaseRate", "estimate", "measured_rates", "model_phases", "model_seconds",
+           "spec_hardware"]
 
 AVG_TOKENS_PER_ROW = 700
 PACKING_EFFICIENCY = 0.99  # measured 0.996 on the demo (most conversations cut at max_length)
@@ -97,6 +102,24 @@ EXPORT_SECONDS = 5.0
 SERVE_CHECK_SECONDS = 25.0  # the demo's vLLM CPU serve check (a warning and ~0 s without a vLLM venv)
 #: The calibrated model's accuracy: measured/estimated seen between these factors (idle to shared machine).
 MODEL_RANGE = (0.6, 1.6)
+#: The hardware class the constants above were measured on (AVX-512 + AMX-BF16, 2 cores, target in bf16).
+CALIBRATION_CLASS = "cpu-bf16"
+#: The target's speed per CPU class and resolved dtype against CALIBRATION_CLASS in bfloat16 (regeneration,
+#: capture, decoding). cpu-bf16 float32: capture 2.2x slower than bf16 (the demo preset's measurement);
+#: cpu-avx2 bfloat16: vLLM generated 19-26 tokens/s on an AVX2-only 2-core EPYC where this machine makes
+#: about 400 (issue 39); cpu-avx2 float32: measured with AVX2 emulated (docs/experiments.md "Estimates").
+TARGET_SPEED: Mapping[tuple[str, str], float] = {
+    ("cpu-bf16", "bfloat16"): 1.0, ("cpu-bf16", "float32"): 0.45,
+    ("cpu-avx512", "bfloat16"): 0.1, ("cpu-avx512", "float32"): 0.45,
+    ("cpu-avx2", "bfloat16"): 0.055, ("cpu-avx2", "float32"): 0.3,
+    ("cpu", "bfloat16"): 0.02, ("cpu", "float32"): 0.1,
+}
+#: The draft's fp32 training speed per CPU class against CALIBRATION_CLASS (cpu-avx2: measured emulated).
+DRAFT_SPEED: Mapping[str, float] = {"cpu-bf16": 1.0, "cpu-avx512": 1.0, "cpu-avx2": 0.6, "cpu": 0.25}
+#: At most this many earlier comparable jobs (the newest) inform an estimate.
+HISTORY_JOBS = 5
+#: The least error stated for a phase measured by earlier jobs (one job, or jobs that agree).
+HISTORY_MIN_ERROR = 0.2
 
 #: Estimate phase -> the pipeline phases (`peagle.spec.phases`) whose time it covers.
 PHASE_GROUPS: Mapping[str, tuple[str, ...]] = {
@@ -107,15 +130,6 @@ PHASE_GROUPS: Mapping[str, tuple[str, ...]] = {
     "evaluating": ("evaluating",),
     "exporting": ("exporting", "serve_check"),
 }
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One earlier succeeded job: its spec and the measured seconds of each `PHASE_GROUPS` phase."""
-
-    spec: TrainSpec
-    phase_seconds: Mapping[str, float]
-    steps: int  # optimizer steps it ran
 
 
 def _size_class(model: str) -> str:
@@ -135,9 +149,39 @@ def feature_bytes_per_token(spec: TrainSpec, hidden: int) -> int:
     return 3 * hidden * aux_bytes + hidden * dtype_bytes + 3 * 8
 
 
-def device_class(spec: TrainSpec) -> str:
-    """`cpu` or `cuda` (what the job resolves to), the hardware class history is matched on."""
-    return str(spec.resolve(cuda_available=spec.resources.gpus > 0).resources.device)
+def spec_hardware(spec: TrainSpec, cpu_flags: frozenset[str]) -> str:
+    """The hardware class (`peagle.spec.hardware.hardware_class`) `spec` runs on: `cuda-<n>gpu` when it
+    resolves to CUDA, else the class of a CPU with `cpu_flags`."""
+    device = str(spec.resolve(cuda_available=spec.resources.gpus > 0).resources.device)
+    return hardware_class(device=device, gpus=spec.resources.gpus, cpu_flags=cpu_flags)
+
+
+@dataclass(frozen=True)
+class Comparable:
+    """What makes two jobs' phase rates comparable: the same target (model and revision), resolved target
+    dtype, target engine, regeneration engine (`none` without regeneration) and hardware class."""
+
+    model: str
+    revision: str | None
+    dtype: str
+    target_engine: str
+    regen_engine: str
+    hardware: str
+
+    @classmethod
+    def of(cls, resolved: Mapping[str, Any], hardware: str) -> Comparable:
+        """From a resolved spec as JSON (a job's `resolved_spec`, or `spec.model_dump(mode="json")`)."""
+        target = resolved.get("target") or {}
+        regen = (resolved.get("data") or {}).get("regenerate") or {}
+        return cls(model=str(target.get("model")), revision=target.get("revision"), dtype=str(target.get("dtype")),
+                   target_engine=str((resolved.get("resources") or {}).get("target_engine")),
+                   regen_engine=str(regen.get("engine")) if regen.get("enabled") is True else "none",
+                   hardware=hardware)
+
+    def describe(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return (f"target {self.model}{rev} in {self.dtype}, target engine {self.target_engine}, regeneration "
+                f"{self.regen_engine}, hardware {self.hardware}")
 
 
 def _data_funnel(spec: TrainSpec, dataset_rows: dict[str, dict[str, Any]], notes: list[str]) -> dict[str, Any]:
@@ -205,91 +249,205 @@ def _steps(spec: TrainSpec, packed_rows: int) -> int:
     return min(steps, o.max_steps) if o.max_steps is not None else steps
 
 
-def model_seconds(
-    spec: TrainSpec, *, read: int, steps: int, packed_rows: int, serve_check_ready: bool = True
-) -> dict[str, float]:
-    """The calibrated model: seconds per `PHASE_GROUPS` phase of `spec` reading `read` rows, `steps` steps
-    over `packed_rows` training rows (offline capture forwards each row once, whatever the epochs)."""
-    size, dev = _size_class(spec.target.model), device_class(spec)
+def target_speed(hardware: str, dtype: str) -> float:
+    """How fast the target runs on `hardware` in `dtype`, against the calibration machine's bfloat16."""
+    if hardware.startswith("cuda"):
+        return 1.0
+    cls = hardware if hardware in CPU_CLASSES else "cpu"
+    if dtype == "float16":  # no CPU class here computes in fp16 natively: as fast as bf16 where that is emulated
+        dtype = "float32" if cls == "cpu-bf16" else "bfloat16"
+    return TARGET_SPEED[(cls, "float32" if dtype not in ("bfloat16", "float32") else dtype)]
+
+
+def draft_speed(hardware: str) -> float:
+    """How fast the draft (fp32) trains on `hardware`, against the calibration machine."""
+    return 1.0 if hardware.startswith("cuda") else DRAFT_SPEED.get(hardware, DRAFT_SPEED["cpu"])
+
+
+@dataclass(frozen=True)
+class PhaseModel:
+    """The calibrated model of one phase: `work` units of the phase's own work (`unit`: conversations read,
+    regenerated tokens, captured tokens, training tokens, generated tokens, exports) at `rate` units per second,
+    plus `other_s` seconds that do not scale with it (engine starts, loading, the evaluations during training)."""
+
+    unit: str
+    work: float
+    rate: float
+    other_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.other_s + (self.work / self.rate if self.work > 0 else 0.0)
+
+
+def model_phases(
+    spec: TrainSpec, *, read: int, steps: int, packed_rows: int, hardware: str, serve_check_ready: bool = True
+) -> dict[str, PhaseModel]:
+    """The calibrated model of each `PHASE_GROUPS` phase of a resolved `spec` on `hardware` (a
+    `hardware_class`) reading `read` rows, `steps` steps over `packed_rows` training rows (offline capture
+    forwards each row once, whatever the epochs). The constants are the calibration machine's (`cpu-bf16`,
+    target in bfloat16), scaled by `target_speed` for the target's work and `draft_speed` for training."""
+    size = _size_class(spec.target.model)
+    dev = "cuda" if hardware.startswith("cuda") else "cpu"
     gpus = max(1, spec.resources.gpus)
+    ts, ds = target_speed(hardware, spec.target.dtype), draft_speed(hardware)
     o = spec.optim
     step_tokens = o.pack_length * o.micro_batch_size * o.grad_accumulation
     tps = THROUGHPUT[(size, dev)] * gpus
     train_tokens = steps * step_tokens * (ALL_POSITIONS_STEP_COST if spec.peagle.loss_positions == "all" else 1.0)
     captured_tokens = packed_rows * o.pack_length
-    capture = 0.0 if spec.resources.capture == "online" else captured_tokens / (3.0 * tps)
+    if spec.resources.target_engine == "vllm":
+        features = captured_tokens if spec.resources.capture == "offline" else 0  # online: streamed in training
+        capture = PhaseModel("captured tokens", features, VLLM_CAPTURE_TOKENS_PER_S[size][dev] * gpus * ts,
+                             ENGINE_START_SECONDS[dev])
+    else:
+        capture = PhaseModel("captured tokens", captured_tokens if spec.resources.capture == "offline" else 0,
+                             3.0 * tps * ts)
     # held-out evals (at checkpoints or every eval.every_steps) forward the eval rows: about one step each
     every = spec.eval.every_steps or spec.checkpoints.every_steps
     evals = math.ceil(steps / every) if steps else 0
     held_rows = math.ceil(spec.data.eval_samples * AVG_TOKENS_PER_ROW / o.pack_length)
-    training = train_tokens / tps + evals * (1.0 + held_rows * o.pack_length / (3.0 * tps))
+    train_other = evals * (1.0 + held_rows * o.pack_length / (3.0 * tps * ds))
     generated = sum(p.num_prompts for p in spec.eval.prompt_sets) * spec.eval.max_new_tokens
     # the serve check follows the reference decoder; with vLLM measuring AL its speedup run replaces it
     serve = SERVE_CHECK_SECONDS if spec.eval.serve_check and spec.eval.engine != "vllm" and serve_check_ready else 0
     regen = spec.data.regenerate
-    regenerating = 0.0
+    regenerating = PhaseModel("regenerated tokens", 0.0, 1.0)
     if regen.enabled is True:
         engine = "vllm" if regen.engine == "vllm" else "hf"
         new_tokens = read * REGEN_TURNS_PER_CONVERSATION * regen.max_new_tokens * REGEN_FILL
-        regenerating = new_tokens / (REGEN_TOKENS_PER_S[(engine, size, dev)] * gpus)
-        regenerating += ENGINE_START_SECONDS[dev] if engine == "vllm" else 0.0
-    if spec.resources.target_engine == "vllm":
-        features = captured_tokens if spec.resources.capture == "offline" else 0  # online: streamed in training
-        capture = ENGINE_START_SECONDS[dev] + features / (VLLM_CAPTURE_TOKENS_PER_S[size][dev] * gpus)
-    evaluating = generated / DECODE[(size, dev)]
+        regenerating = PhaseModel("regenerated tokens", new_tokens, REGEN_TOKENS_PER_S[(engine, size, dev)] * gpus * ts,
+                                  ENGINE_START_SECONDS[dev] if engine == "vllm" else 0.0)
+    evaluating = PhaseModel("generated tokens", generated, DECODE[(size, dev)] * ts)
     if spec.eval.engine == "vllm":  # resolved: AL measured by vLLM, one engine start per measurement
-        evaluating, training = _vllm_eval_seconds(spec, size, dev, steps, training, generated)
+        evaluating, al_s = _vllm_eval(spec, size, dev, steps, ts)
+        train_other += al_s
     return {
-        "preparing_data": LOAD_SECONDS[size] + read * PREP_PER_CONVERSATION,
+        "preparing_data": PhaseModel("conversations read", read, 1.0 / PREP_PER_CONVERSATION, LOAD_SECONDS[size]),
         "regenerating": regenerating,
         "capturing": capture,
-        "training": training,
+        "training": PhaseModel("training tokens", train_tokens, tps * ds, train_other),
         "evaluating": evaluating,
-        "exporting": EXPORT_SECONDS + serve,
+        "exporting": PhaseModel("exports", 1.0, 1.0 / (EXPORT_SECONDS + serve)),
     }
 
 
-def _vllm_eval_seconds(spec: TrainSpec, size: str, dev: str, steps: int, training: float, generated: int
-                       ) -> tuple[float, float]:
-    """(evaluating, training incl. its AL measurements) when vLLM measures AL: an engine start
-    per measurement (the AL during training: every `eval.al_every_steps` and at checkpoints), the prompts
-    generated as one batch, and the serving speedup (`eval.speedup`: per K of the sweep an engine start and
-    `speedup_rounds` rounds of both sides at batch 1 and at a batch of all prompts)."""
+def model_seconds(
+    spec: TrainSpec, *, read: int, steps: int, packed_rows: int, hardware: str = CALIBRATION_CLASS,
+    serve_check_ready: bool = True
+) -> dict[str, float]:
+    """Seconds per `PHASE_GROUPS` phase of `model_phases`."""
+    return {k: p.seconds for k, p in model_phases(spec, read=read, steps=steps, packed_rows=packed_rows,
+                                                  hardware=hardware, serve_check_ready=serve_check_ready).items()}
+
+
+def _vllm_eval(spec: TrainSpec, size: str, dev: str, steps: int, ts: float) -> tuple[PhaseModel, float]:
+    """(the evaluating phase, the seconds its AL measurements add to training) when vLLM measures AL: an
+    engine start per measurement (the AL during training: every `eval.al_every_steps` and at checkpoints),
+    the prompts generated as one batch, and the serving speedup (`eval.speedup`: per K of the sweep an engine
+    start and `speedup_rounds` rounds of both sides at batch 1 and at a batch of all prompts)."""
     e = spec.eval
     start = ENGINE_START_SECONDS[dev]
-    one, batch = VLLM_DECODE[size][dev]
+    one, batch = (r * ts for r in VLLM_DECODE[size][dev])
+    al_s = 0.0
     if e.prompt_sets and steps:
         at = set(range(e.al_every_steps, steps + 1, e.al_every_steps)) if e.al_every_steps else set()
         calls = len(at | set(range(spec.checkpoints.every_steps, steps + 1, spec.checkpoints.every_steps)) | {steps})
         prompts = e.al_num_prompts if spec.checkpoints.select_best_by not in ("auto", "acceptance_length") \
             else e.prompt_sets[0].num_prompts
-        training += calls * (start + prompts * e.max_new_tokens / batch)
-    evaluating = start + generated / batch if e.prompt_sets else 0.0
-    if e.speedup and e.prompt_sets:
+        al_s = calls * (start + prompts * e.max_new_tokens / batch)
+    if not e.prompt_sets:
+        return PhaseModel("generated tokens", 0.0, 1.0), al_s
+    generated = sum(p.num_prompts for p in e.prompt_sets) * e.max_new_tokens
+    other, work, busy = start, float(generated), generated / batch
+    if e.speedup:
         k = e.num_speculative_tokens or spec.peagle.num_depths
         ks = k if e.speedup_sweep else 1
-        n = min(e.speedup_num_prompts, e.prompt_sets[0].num_prompts)
-        tokens = n * e.max_new_tokens
-        per_round = 2 * (tokens / one + tokens / batch) + sum(2 * tokens / batch for _ in e.speedup_batch_sizes)
-        evaluating += (ks + 1) * start + ks * e.speedup_rounds * per_round
-    return evaluating, training
+        tokens = min(e.speedup_num_prompts, e.prompt_sets[0].num_prompts) * e.max_new_tokens
+        other += (ks + 1) * start
+        work += ks * e.speedup_rounds * tokens * (4 + 2 * len(e.speedup_batch_sizes))
+        busy += ks * e.speedup_rounds * (2 * (tokens / one + tokens / batch)
+                                         + sum(2 * tokens / batch for _ in e.speedup_batch_sizes))
+    return PhaseModel("generated tokens", work, work / busy, other), al_s
 
 
-def phase_ratio(history: Sequence[Measured]) -> dict[str, list[float]]:
-    """Per phase, measured / modelled seconds of each earlier job (phases it did not run are left out)."""
-    out: dict[str, list[float]] = {k: [] for k in PHASE_GROUPS}
-    for m in history:
-        fun = _data_funnel(m.spec, {}, [])
-        modelled = model_seconds(m.spec, read=fun[READ], steps=m.steps, packed_rows=fun["packed_rows"] or 0)
-        for phase, secs in m.phase_seconds.items():
-            if phase in out and modelled.get(phase, 0.0) > 0.5 and secs > 0:
-                out[phase].append(secs / modelled[phase])
+@dataclass(frozen=True)
+class Measured:
+    """One earlier succeeded job: its resolved spec, what makes it comparable, the measured seconds of each
+    `PHASE_GROUPS` phase, the optimizer steps it ran, its counted data funnel (None: not recorded, the model's
+    is used) and the tokens its regeneration generated (None: not recorded; 0: every answer was cached)."""
+
+    job_id: str
+    spec: TrainSpec
+    key: Comparable
+    phase_seconds: Mapping[str, float]
+    steps: int
+    funnel: Mapping[str, Any] | None = None
+    regen_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class PhaseRate:
+    """What one earlier job measured of one phase: its rate of the phase's own work (None: it did none) and
+    the factor on the model's `other_s` seconds (at most 1 when it did work: a faster machine)."""
+
+    rate: float | None
+    other_factor: float
+
+
+def measured_rates(m: Measured) -> dict[str, PhaseRate]:
+    """Per phase that `m` ran (and the model gives more than half a second), its measured rate.
+
+    The measured seconds are split as the model splits them when the job was faster than modelled (both
+    parts scaled), else the model's `other_s` is taken as it is and the rest is the phase's own work; so an
+    estimate of the same spec from these rates gives back the measured seconds."""
+    fun: Mapping[str, Any] = m.funnel if m.funnel and m.funnel.get(READ) else _data_funnel(m.spec, {}, [])
+    model = model_phases(m.spec, read=int(fun[READ]), steps=m.steps, packed_rows=int(fun.get("packed_rows") or 0),
+                         hardware=m.key.hardware)
+    out: dict[str, PhaseRate] = {}
+    for phase, secs in m.phase_seconds.items():
+        p = model.get(phase)
+        if p is None or p.seconds <= 0.5 or secs <= 0:
+            continue
+        work = p.work
+        if phase == "regenerating":  # the tokens it generated; cached answers are no work (and no rate)
+            if not m.regen_tokens:
+                continue
+            work = float(m.regen_tokens)
+        if work > 0:
+            factor = min(1.0, secs / p.seconds)
+            out[phase] = PhaseRate(rate=work / (secs - p.other_s * factor), other_factor=factor)
+        elif p.other_s > 0:
+            out[phase] = PhaseRate(rate=None, other_factor=secs / p.other_s)
+    return out
+
+
+def _from_history(model: Mapping[str, PhaseModel], rates: Mapping[str, list[PhaseRate]]
+                  ) -> dict[str, tuple[float, float]]:
+    """Per phase with measurements: (seconds, spread) where seconds uses the median rate and other-factor and
+    spread is the largest factor by which one job's own rates would differ from that (1.0: one job)."""
+    out: dict[str, tuple[float, float]] = {}
+    for phase, rs in rates.items():
+        p = model[phase]
+        if not rs or p.seconds <= 0:
+            continue
+
+        def secs(rate: float | None, factor: float, p: PhaseModel = p) -> float:
+            return p.other_s * factor + (p.work / rate if p.work > 0 and rate else 0.0)
+
+        with_rate = [r.rate for r in rs if r.rate]
+        if p.work > 0 and not with_rate:
+            continue  # earlier jobs did none of this phase's work: nothing to scale it by
+        mid = secs(statistics.median(with_rate) if with_rate else None, statistics.median(r.other_factor for r in rs))
+        each = [secs(r.rate if r.rate else None, r.other_factor) for r in rs if r.rate or p.work <= 0]
+        spread = max((max(e / mid, mid / e) for e in each if e > 0 and mid > 0), default=1.0)
+        out[phase] = (mid, spread)
     return out
 
 
 def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue: str, queue_position: int,
-             history: Sequence[Measured] = (), vllm_available: bool | None = None, queue_running: int = 0
-             ) -> dict[str, Any]:
+             history: Sequence[Measured] = (), vllm_available: bool | None = None, queue_running: int = 0,
+             cpu_flags: frozenset[str] | None = None) -> dict[str, Any]:
     """The data funnel, steps, per-phase and total wall time of `spec`, with its basis and accuracy.
 
     Args:
@@ -298,14 +456,18 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         queue: the queue the job would go to.
         queue_position: jobs ahead of it on `queue`: running there now and queued (`repo.queue_ahead`).
         queue_running: how many of those run now.
-        history: earlier succeeded jobs on `queue` with the same device class (`api.history`).
+        history: earlier succeeded jobs on `queue`, newest first (`api.history`); only the newest
+            `HISTORY_JOBS` comparable to this one (`Comparable`) are used.
         vllm_available: whether the workers can run the vLLM target engine (resolves `target_engine: auto`).
+        cpu_flags: the workers' CPU flags (default: this host's, which the workers share in docker-compose).
     """
     notes: list[str] = []
+    flags = cpu_facts().cpu_flags if cpu_flags is None else cpu_flags
     # estimate what the worker will run: the engines resolved (when known) and `target.dtype: auto` by what
-    # this host's CPU runs natively (the workers share it in docker-compose)
+    # the CPU runs natively
     spec = spec.resolve(cuda_available=spec.resources.gpus > 0, vllm_available=vllm_available,
-                        device_facts=cpu_facts())
+                        device_facts=DeviceFacts(cpu_flags=flags))
+    hw = spec_hardware(spec, flags)
     fun = _data_funnel(spec, dataset_rows, notes)
     steps = _steps(spec, fun["packed_rows"] or 0)
     o = spec.optim
@@ -323,27 +485,44 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         hidden_bytes = min(dump, int(spec.resources.feature_disk_gb * 1e9))
     else:
         hidden_bytes = 0
-    phases = model_seconds(spec, read=fun[READ], steps=steps, packed_rows=fun["packed_rows"] or 0)
-    ratios = phase_ratio(history)
-    spreads: list[float] = []
-    for phase, rs in ratios.items():
-        if rs and phases[phase] > 0:
-            mid = statistics.median(rs)
-            phases[phase] *= mid
-            spreads += [max(r / mid, mid / r) for r in rs]
+    model = model_phases(spec, read=fun[READ], steps=steps, packed_rows=fun["packed_rows"] or 0, hardware=hw)
+    key = Comparable.of(spec.model_dump(mode="json"), hw)
+    used = [m for m in history if m.key == key][:HISTORY_JOBS]
+    rates: dict[str, list[PhaseRate]] = {k: [] for k in PHASE_GROUPS}
+    for m in used:
+        for phase, r in measured_rates(m).items():
+            rates[phase].append(r)
+    measured = _from_history(model, rates)
+    phases: dict[str, float] = {}
+    lo = hi = 0.0
+    worst = 1.0
+    for phase, p in model.items():
+        if phase in measured:
+            secs, spread = measured[phase]
+            err = max(HISTORY_MIN_ERROR, spread - 1.0)
+            worst = max(worst, 1.0 + err)
+            phases[phase], lo, hi = secs, lo + secs / (1 + err), hi + secs * (1 + err)
+        else:
+            phases[phase] = p.seconds
+            lo, hi = lo + p.seconds * MODEL_RANGE[0], hi + p.seconds * MODEL_RANGE[1]
     total = sum(phases.values())
-    dev = device_class(spec)
-    if history:
-        spread = max(spreads, default=1.0)
-        err = max(0.2, spread - 1.0)
-        lo, hi = total / (1 + err), total * (1 + err)
-        accuracy = (f"from {len(history)} earlier job{'s' if len(history) > 1 else ''} on queue {queue} ({dev}): "
-                    f"±{round(100 * err)}%")
+    calibrated = (f"calibrated model for {hw} with the target in {spec.target.dtype} (typically within "
+                  f"{MODEL_RANGE[0]}x-{MODEL_RANGE[1]}x, idle to moderately loaded machine)")
+    if hw not in (CALIBRATION_CLASS,) and not hw.startswith("cuda"):
+        calibrated += f"; constants measured on {CALIBRATION_CLASS}, scaled for {hw}"
+    if measured:
+        from_model = [p for p in PHASE_GROUPS if p not in measured and model[p].seconds > 0.5]
+        ids = ", ".join(m.job_id for m in used)
+        accuracy = (f"from {len(used)} comparable earlier job{'s' if len(used) > 1 else ''} ({ids}; {key.describe()}) "
+                    f"for {', '.join(measured)}: ±{round(100 * (worst - 1))}%")
+        if from_model:
+            accuracy += f"; {', '.join(from_model)}: {calibrated}"
         basis = "history"
     else:
-        lo, hi = total * MODEL_RANGE[0], total * MODEL_RANGE[1]
-        accuracy = (f"no history on queue {queue} ({dev}): calibrated model, typically within "
-                    f"{MODEL_RANGE[0]}x-{MODEL_RANGE[1]}x (idle to moderately loaded machine)")
+        others = len(history) - len(used)
+        why = (f" ({others} earlier job{'s' if others > 1 else ''} there differ in target, dtype, engine or "
+               "hardware)") if others else ""
+        accuracy = f"no comparable history on queue {queue}{why}: {calibrated}"
         basis = "model"
     if queue_position:
         notes.append(f"{queue_position} job{'s' if queue_position > 1 else ''} ahead on queue {queue}: "
@@ -364,7 +543,7 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "wall_clock_range_seconds": [round(lo, 1), round(hi, 1)],
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         "basis": basis,
-        "history_jobs": len(history),
+        "history_jobs": len(used),
         "accuracy": accuracy,
         "funnel": fun,
         "queue": queue,

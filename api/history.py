@@ -1,30 +1,35 @@
-"""Measured phase times of earlier jobs, for the dry-run estimate (`api.estimate`).
+"""Measured phases of earlier jobs, for the dry-run estimate (`api.estimate`).
 
-What is measured per finished job is already recorded: the trainer's `phase` events (with their times) in
-`job_event`, the job's spec and its resolved spec (`optim.max_steps` = the steps it ran). A job counts
-when it succeeded in one attempt (a resumed job's phases overlap), ran on the same queue and resolves to
-the same device class (cpu / cuda) as the job being estimated.
+What is measured per finished job is already recorded: the trainer's `phase` events (with their times) and
+its `data` event (the counted funnel: conversations read, packed rows) in `job_event`, the job's resolved
+spec (target, dtype, engines, device, `optim.max_steps` = the steps it ran), the worker's provenance on the
+job row (`worker/provenance.py`: the CPU's hardware class), and the run's data report
+(`RUN/data/report.json`: the tokens its regeneration generated, 0 when every answer came from the cache).
+A job counts when it succeeded in one attempt (a resumed job's phases overlap) on the same queue; which of
+them are comparable to the job being estimated is `api.estimate`'s decision (`Comparable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from api.estimate import PHASE_GROUPS, Measured, device_class
-from peagle.spec import SpecInvalidError, TrainSpec, parse_spec
+from api.estimate import PHASE_GROUPS, Comparable, Measured
+from peagle.spec import SpecInvalidError, parse_spec
+from peagle.spec.hardware import hardware_class
 from service.db import states
 from service.db.models import Job, JobEvent
 
-__all__ = ["HISTORY_JOBS", "history", "phase_seconds"]
+__all__ = ["history", "job_hardware", "phase_seconds"]
 
-#: At most this many earlier jobs (the newest) inform an estimate.
-HISTORY_JOBS = 5
+#: The newest this many succeeded jobs of the queue are looked at (their events read).
 _SCAN = 40
 _GROUP_OF = {p: group for group, phases in PHASE_GROUPS.items() for p in phases}
 
@@ -39,43 +44,69 @@ def phase_seconds(events: Iterable[tuple[str | None, datetime]]) -> dict[str, fl
     return out
 
 
-def _spec_of(job: Job) -> tuple[TrainSpec, int] | None:
-    try:
-        spec = parse_spec(job.spec)
-    except SpecInvalidError:
+def job_hardware(resolved: Mapping[str, Any], provenance: Mapping[str, Any] | None) -> str | None:
+    """The hardware class a finished job ran on: `cuda-<n>gpu` when its resolved device is cuda, else the
+    CPU class its worker recorded (`provenance.worker.hardware_class`); None when not recorded."""
+    res = resolved.get("resources") or {}
+    if res.get("device") == "cuda":
+        return hardware_class(device="cuda", gpus=int(res.get("gpus") or 1))
+    worker = (provenance or {}).get("worker") or {}
+    cls = worker.get("hardware_class")
+    return cls if isinstance(cls, str) and cls.startswith("cpu") else None
+
+
+def _regen_tokens(run_dir: Path | None) -> int | None:
+    """Tokens the run's regeneration generated (RUN/data/report.json), None when not readable."""
+    if run_dir is None:
         return None
+    try:
+        report = json.loads((run_dir / "data" / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    tokens = (report.get("regeneration") or {}).get("tokens") if isinstance(report, dict) else None
+    return tokens if isinstance(tokens, int) else None
+
+
+def _measured(job: Job, events: list[tuple[str, str | None, datetime, dict[str, Any]]],
+              run_dir: Callable[[Job], Path] | None) -> Measured | None:
     resolved: dict[str, Any] = job.resolved_spec or {}
     steps = (resolved.get("optim") or {}).get("max_steps")
-    return (spec, int(steps)) if isinstance(steps, int) and steps > 0 else None
+    hw = job_hardware(resolved, job.provenance)
+    if not isinstance(steps, int) or steps <= 0 or hw is None:
+        return None
+    try:
+        spec = parse_spec(resolved)
+    except SpecInvalidError:
+        return None
+    secs = phase_seconds([(phase, when) for kind, phase, when, _d in events if kind == "phase"])
+    if not secs:
+        return None
+    counted = [d.get("funnel") for kind, _p, _w, d in events if kind == "data" and isinstance(d.get("funnel"), dict)]
+    return Measured(job_id=job.id, spec=spec, key=Comparable.of(resolved, hw), phase_seconds=secs, steps=steps,
+                    funnel=counted[-1] if counted else None,
+                    regen_tokens=_regen_tokens(run_dir(job) if run_dir is not None else None))
 
 
-def history(session: Session, spec: TrainSpec, queue: str) -> list[Measured]:
-    """The newest `HISTORY_JOBS` single-attempt succeeded jobs on `queue` with `spec`'s device class."""
+def history(session: Session, queue: str, *, run_dir: Callable[[Job], Path] | None = None) -> list[Measured]:
+    """Single-attempt succeeded jobs on `queue`, newest first (the newest `_SCAN` looked at), with what
+    they measured; `run_dir` finds a job's run directory (for its regenerated tokens)."""
     jobs = session.scalars(
         sa.select(Job).where(Job.status == states.SUCCEEDED, Job.queue == queue, Job.attempt == 0)
         .order_by(Job.finished_at.desc()).limit(_SCAN)
     ).all()
-    want = device_class(spec)
-    picked: list[tuple[Job, TrainSpec, int]] = []
-    for job in jobs:
-        parsed = _spec_of(job)
-        if parsed is not None and device_class(parsed[0]) == want:
-            picked.append((job, *parsed))
-        if len(picked) == HISTORY_JOBS:
-            break
-    if not picked:
+    if not jobs:
         return []
     rows = session.execute(
-        sa.select(JobEvent.job_id, JobEvent.phase, JobEvent.time)
-        .where(JobEvent.job_id.in_([j.id for j, _s, _n in picked]), JobEvent.kind == "phase")
+        sa.select(JobEvent.job_id, JobEvent.kind, JobEvent.phase, JobEvent.time, JobEvent.data)
+        .where(JobEvent.job_id.in_([j.id for j in jobs]), JobEvent.kind.in_(("phase", "data")))
         .order_by(JobEvent.job_id, JobEvent.seq)
     ).all()
-    by_job: dict[str, list[tuple[str | None, datetime]]] = {}
-    for job_id, phase, when in rows:
-        by_job.setdefault(job_id, []).append((phase, when))
+    by_job: dict[str, list[tuple[str, str | None, datetime, dict[str, Any]]]] = {}
+    for job_id, kind, phase, when, data in rows:
+        by_job.setdefault(job_id, []).append((kind, phase, when, data or {}))
     out = []
-    for job, spec_of, steps in picked:
-        secs = phase_seconds(by_job.get(job.id, []))
-        if secs:
-            out.append(Measured(spec=spec_of, phase_seconds=secs, steps=steps))
+    for job in jobs:
+        m = _measured(job, by_job.get(job.id, []), run_dir)
+        if m is not None:
+            out.append(m)
     return out

@@ -1,8 +1,9 @@
 """Provenance of a job attempt, gathered by the worker without importing torch or touching CUDA.
 
 Package versions come from installed metadata, the git revision from `git`, GPUs from `nvidia-smi` (if
-present) and `CUDA_VISIBLE_DEVICES`. The trainer writes its own `provenance.json` into the run directory;
-The supervisor folds it (and `resolved_spec.json`) into what the job row stores.
+present) and `CUDA_VISIBLE_DEVICES`, the CPU's hardware class (`peagle.spec.hardware.hardware_class`, which
+the dry-run estimate matches earlier jobs on) from /proc/cpuinfo. The trainer writes its own
+`provenance.json` into the run directory; the supervisor folds it (and `resolved_spec.json`) into what the job row stores.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from peagle.spec.hardware import hardware_class, read_cpu_flags
 
 __all__ = ["worker_provenance"]
 
@@ -73,6 +76,7 @@ def worker_provenance(*, argv: list[str], attempt: int) -> dict[str, Any]:
         "packages": _versions(),
         "git": _git(repo),
         "gpus": _gpus(),
+        "hardware_class": hardware_class(device="cpu", cpu_flags=read_cpu_flags()),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "argv": argv,
         "attempt": attempt,

@@ -148,9 +148,12 @@ def create_job(
     queue = body.queue or state.settings.worker_queue
     checked = _preflight(state, session, principal.owner_id, spec, queue=queue, dry_run=dry_run)
     if dry_run:
+        from api.routes.checkpoints import job_dir  # that module imports this one
+
         running, queued = repo.queue_ahead(session, queue)
+        past = history(session, queue, run_dir=lambda job: job_dir(state.settings, job))
         est = estimate(spec, dataset_rows=checked.reports, queue=queue, queue_position=running + queued,
-                       queue_running=running, history=history(session, spec, queue),
+                       queue_running=running, history=past,
                        vllm_available=state.vllm_available)
         return json_ok({"object": "estimate", "valid": not checked.problems, "problems": checked.problems,
                         "spec": spec.model_dump(mode="json"), **est})

@@ -7,6 +7,8 @@ bfloat16 runs natively on a CUDA GPU that supports it (Ampere and later) and on 
 AMX-BF16; elsewhere (an AVX2-only CPU) it is emulated and vLLM generated 19-26 tokens/s where fp32 is several
 times faster, so `auto` is float32 there. `auto_target_dtype` is the one decision, pure; `read_cpu_flags`
 reads the machine (`peagle.target.loader.device_facts` adds the CUDA check, which needs torch).
+`hardware_class` names the class of machine (`cpu-bf16`, `cpu-avx512`, `cpu-avx2`, `cpu`, `cuda-<n>gpu`)
+the dry-run estimate keeps constants for and matches earlier jobs on (the worker records it on each job).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["CPU_BF16_FLAGS", "DeviceFacts", "auto_target_dtype", "cpu_facts", "read_cpu_flags"]
+__all__ = ["CPU_BF16_FLAGS", "CPU_CLASSES", "DeviceFacts", "auto_target_dtype", "cpu_facts", "hardware_class",
+           "read_cpu_flags"]
 
 #: /proc/cpuinfo flags of a CPU that computes in bfloat16 natively (either one is enough).
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -52,3 +55,27 @@ def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 def cpu_facts() -> DeviceFacts:
     """This machine's CPU flags; a CUDA device is assumed to have bf16 (the API cannot ask torch)."""
     return DeviceFacts(cpu_flags=read_cpu_flags())
+
+
+#: The hardware classes the estimate keeps constants for and matches history on (`hardware_class`).
+CPU_CLASSES = ("cpu-bf16", "cpu-avx512", "cpu-avx2", "cpu")
+
+
+def hardware_class(*, device: str, gpus: int = 0, cpu_flags: frozenset[str] = frozenset()) -> str:
+    """The class of machine a job runs on, for estimates: jobs of one class run at comparable speed.
+
+    `cuda-<n>gpu` on CUDA (`gpus` of them, at least 1); on a CPU by its widest native arithmetic:
+    `cpu-bf16` (avx512_bf16 or amx_bf16), `cpu-avx512` (avx512f), `cpu-avx2` (avx2), else `cpu`.
+
+        >>> hardware_class(device="cpu", cpu_flags=frozenset({"avx2", "avx512f"}))
+        'cpu-avx512'
+        >>> hardware_class(device="cuda", gpus=2)
+        'cuda-2gpu'
+    """
+    if device == "cuda":
+        return f"cuda-{max(1, gpus)}gpu"
+    if cpu_flags & CPU_BF16_FLAGS:
+        return "cpu-bf16"
+    if "avx512f" in cpu_flags:
+        return "cpu-avx512"
+    return "cpu-avx2" if "avx2" in cpu_flags else "cpu"
