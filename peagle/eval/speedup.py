@@ -18,6 +18,17 @@ slowest round above 1: a gain the noise of one round cannot make), the one with 
 smaller K on a tie); when there is none, the draft is not recommended at that batch size
 (`num_speculative_tokens: 0`). A speedup below 1 is a slowdown and is said so (`speedup_text`).
 
+The K schedule (`k_schedule`, served through vLLM's `num_speculative_tokens_per_batch_size`: inclusive
+`[first batch size, last batch size, K]` ranges, the first from 1; vLLM carries a range's K through a gap
+and past the last range, and takes the batch size as the requests in the step). vLLM 0.32 runs a
+parallel-drafting draft at its configured K or at K 0 only: at a K in between, the drafter's K slots per
+request are read as fewer and the engine dies (`shape '[-1, 2]' is invalid for input of size 3`; open fix:
+vllm-project/vllm#45695). So the schedule has ONE K, K* = the K recommended at the smallest batch size
+that gains (latency first), and each measured batch size b gets K* where K* was faster in every round at
+b (`faster_ks`), else 0. b's K holds from b up to the next measured batch size (the first from 1).
+Worked example: batch 1 gains at K 2 and 3 (K 2 fastest), batch 4 at K 3 only, batch 8 at none:
+K* = 2, batch 1 -> 2, batch 4 -> 0 (K 2 not a gain there), batch 8 -> 0: `[[1, 3, 2], [4, 8, 0]]`.
+
 Pure and torch-free (the API and the bench import it).
 """
 
@@ -30,7 +41,10 @@ from typing import Any
 
 from peagle.eval.acceptance import compute_acceptance
 
-__all__ = ["SpeedupPlan", "plan_speedup", "recommend", "speculative_config", "speedup_text", "summarize_speedup"]
+__all__ = [
+    "SpeedupPlan", "k_schedule", "plan_speedup", "recommend", "speculative_config", "speedup_text",
+    "summarize_speedup",
+]
 
 
 @dataclass(frozen=True)
@@ -133,8 +147,9 @@ def _gains(row: Mapping[str, Any]) -> bool:
 
 def recommend(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Best K per batch size: `{"batch_size", "num_speculative_tokens" (0 = serve without the draft),
-    "speedup" (of that K; of the best measured one when 0), "best_measured_k"}`, by batch size. Only a K
-    faster in every round counts (`_gains`); the fastest of those (by median) is recommended."""
+    "speedup" (of that K; of the best measured one when 0), "best_measured_k", "faster_ks" (every K faster
+    in every round there, ascending)}`, by batch size. Only a K faster in every round counts (`_gains`);
+    the fastest of those (by median) is recommended."""
     out = []
     for b in sorted({int(r["batch_size"]) for r in rows}):
         cands = sorted((r for r in rows if int(r["batch_size"]) == b),
@@ -143,18 +158,62 @@ def recommend(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         gaining = [r for r in cands if _gains(r)]
         pick = gaining[0] if gaining else best
         out.append({"batch_size": b, "num_speculative_tokens": int(pick["num_speculative_tokens"]) if gaining else 0,
-                    "speedup": float(pick["speedup"]), "best_measured_k": int(best["num_speculative_tokens"])})
+                    "speedup": float(pick["speedup"]), "best_measured_k": int(best["num_speculative_tokens"]),
+                    "faster_ks": sorted(int(r["num_speculative_tokens"]) for r in gaining)})
     return out
 
 
+def _faster_ks(rec: Mapping[str, Any]) -> set[int]:
+    """The K faster in every round at a recommendation's batch size (a report stored before `faster_ks`
+    was kept: its recommended K alone)."""
+    if "faster_ks" in rec:
+        return {int(k) for k in rec["faster_ks"]}
+    k = int(rec["num_speculative_tokens"])
+    return {k} if k else set()
+
+
+def k_schedule(recommended: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    """The K per batch size vLLM 0.32 can serve with a parallel-drafting draft (module docstring): one K
+    (the K recommended at the smallest batch size that gains) where it was a gain, 0 elsewhere.
+
+    Args:
+        recommended: `recommend`'s entries (any order).
+
+    Returns:
+        `[[first, last, K], ...]` (vLLM's `num_speculative_tokens_per_batch_size`): contiguous inclusive
+        ranges from batch size 1, neighbours of equal K merged, the last ending at the largest measured
+        batch size (vLLM carries its K beyond); `[]` when nothing was measured or no K gains anywhere.
+    """
+    recs = sorted(recommended, key=lambda r: int(r["batch_size"]))
+    k_star = next((int(r["num_speculative_tokens"]) for r in recs if int(r["num_speculative_tokens"])), 0)
+    if not k_star:
+        return []
+    sizes = [int(r["batch_size"]) for r in recs]
+    ks = [k_star if k_star in _faster_ks(r) else 0 for r in recs]
+    ranges: list[list[int]] = []
+    for i, k in enumerate(ks):
+        first = 1 if i == 0 else sizes[i]
+        last = sizes[i + 1] - 1 if i + 1 < len(sizes) else sizes[i]
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = last  # same K as the range before: one range
+        else:
+            ranges.append([first, last, k])
+    return ranges
+
+
 def speculative_config(model: str, recommended: Sequence[Mapping[str, Any]], default_k: int) -> dict[str, Any] | None:
-    """The `--speculative-config` to serve with: K recommended at the smallest measured batch size (batch 1:
-    latency), `default_k` when nothing was measured; None when the draft is recommended at no batch size."""
-    if recommended and all(int(r["num_speculative_tokens"]) == 0 for r in recommended):
+    """The `--speculative-config` to serve with: `num_speculative_tokens` = the K of `k_schedule`, plus the
+    schedule as `num_speculative_tokens_per_batch_size` where it turns the draft off at some batch size
+    (one range of one K is the plain config); `default_k` alone when nothing was measured; None when the
+    draft gains at no batch size."""
+    cfg: dict[str, Any] = {"model": model, "method": "eagle3", "num_speculative_tokens": int(default_k),
+                           "parallel_drafting": True}
+    if not recommended:
+        return cfg
+    schedule = k_schedule(recommended)
+    if not schedule:
         return None
-    first = min(recommended, key=lambda r: int(r["batch_size"]), default=None)
-    k = int(first["num_speculative_tokens"]) if first and int(first["num_speculative_tokens"]) else None
-    if k is None:  # slower at batch 1, faster at a larger batch: the K of the smallest batch that gains
-        k = next((int(r["num_speculative_tokens"]) for r in sorted(recommended, key=lambda r: int(r["batch_size"]))
-                  if int(r["num_speculative_tokens"])), default_k)  # fmt: skip
-    return {"model": model, "method": "eagle3", "num_speculative_tokens": int(k), "parallel_drafting": True}
+    cfg["num_speculative_tokens"] = max(k for _, _, k in schedule)
+    if len(schedule) > 1:
+        cfg["num_speculative_tokens_per_batch_size"] = schedule
+    return cfg

@@ -52,15 +52,18 @@ def test_recommendation_per_batch_size() -> None:
     rows = [{"num_speculative_tokens": k, "batch_size": b, "speedup": s}
             for k, b, s in [(1, 1, 1.05), (2, 1, 1.15), (3, 1, 1.15), (1, 8, 0.9), (2, 8, 0.7), (3, 8, 0.6)]]
     rec = recommend(rows)
-    assert rec == [{"batch_size": 1, "num_speculative_tokens": 2, "speedup": 1.15, "best_measured_k": 2},
-                   {"batch_size": 8, "num_speculative_tokens": 0, "speedup": 0.9, "best_measured_k": 1}]
+    assert rec == [{"batch_size": 1, "num_speculative_tokens": 2, "speedup": 1.15, "best_measured_k": 2,
+                    "faster_ks": [1, 2, 3]},
+                   {"batch_size": 8, "num_speculative_tokens": 0, "speedup": 0.9, "best_measured_k": 1,
+                    "faster_ks": []}]
     cfg = speculative_config("./d", rec, 3)
-    assert cfg == {"model": "./d", "method": "eagle3", "num_speculative_tokens": 2, "parallel_drafting": True}
+    assert cfg == {"model": "./d", "method": "eagle3", "num_speculative_tokens": 2, "parallel_drafting": True,
+                   "num_speculative_tokens_per_batch_size": [[1, 7, 2], [8, 8, 0]]}
     # a median just above 1 with a slower round is noise, not a gain (the demo draft at batch 1: 1.0004)
     noisy = [{"num_speculative_tokens": 4, "batch_size": 1, "speedup": 1.0004,
               "speedup_per_round": [1.003, 0.99, 1.0004]}]
     assert recommend(noisy) == [{"batch_size": 1, "num_speculative_tokens": 0, "speedup": 1.0004,
-                                 "best_measured_k": 4}]
+                                 "best_measured_k": 4, "faster_ks": []}]
     steady = [{**noisy[0], "num_speculative_tokens": 1, "speedup": 1.01, "speedup_per_round": [1.01, 1.02, 1.005]}]
     assert recommend(noisy + steady)[0]["num_speculative_tokens"] == 1
     nowhere = [{"batch_size": 1, "num_speculative_tokens": 0, "speedup": 0.9}]
