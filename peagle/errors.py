@@ -9,6 +9,7 @@
         ├── CheckpointError                checkpoint_invalid     peagle.errors: missing/corrupt checkpoint
         ├── ResourceError                  resource_unavailable   peagle.errors: e.g. mask too large for CPU
         ├── EngineError                    engine_failed          peagle.errors: the vLLM target engine failed
+        ├── ServedParityError              served_parity_failed   peagle.errors: vLLM serves the draft worse than it trained
         ├── TrainingInterrupted            interrupted            peagle.errors: SIGTERM, checkpoint saved
         ├── ServiceError                   (per answer)           peagle.client: an error answer of the API
         ├── IllegalTransition              illegal_transition     service.db.states: state machine refuses
@@ -37,6 +38,7 @@ __all__ = [
     "ExportInvalidError",
     "PeagleError",
     "ResourceError",
+    "ServedParityError",
     "SpecInvalidError",
     "TargetLoadError",
     "TrainingInterrupted",
@@ -106,6 +108,13 @@ class EngineError(PeagleError):
     code = "engine_failed"
 
 
+class ServedParityError(PeagleError):
+    """vLLM accepts the export's drafts clearly less than the reference decoder did with the same weights and
+    settings (`peagle.eval.parity`); the message names the positions, both rates and the usual causes."""
+
+    code = "served_parity_failed"
+
+
 class TrainingInterrupted(PeagleError):
     code = "interrupted"
 
@@ -124,5 +133,6 @@ EXIT_CODES = {
     "resource_unavailable": 9,
     "checkpoint_invalid": 10,
     "engine_failed": 11,
+    "served_parity_failed": 12,
     "interrupted": 75,  # EX_TEMPFAIL: checkpoint saved, resumable
 }

@@ -4,6 +4,11 @@ decoder, vLLM or both, per prompt set, and (vLLM) the measured serving speedup.
     report = run_eval("runs/x/export", prompts=["humaneval", "sharegpt-heldout"], num_prompts=8,
                       max_new_tokens=64, engine="vllm", speedup=plan_speedup(4, 8))
 
+With vLLM, an export that carries the parity record of its job (`parity.json`, `peagle.eval.parity`) is
+also measured on the recorded prompts at the recorded K and max_new_tokens (in the same engine start when
+those equal the asked ones) and put through the served-parity gate: the report's `parity` says whether vLLM
+accepts what the reference decoder did (`peagle eval` then exits 12, `served_parity_failed`, when not).
+
 Every AL is the pooled definition of `peagle.eval.acceptance`, whichever engine measured it. Progress goes
 to `sink` (`peagle eval` gives it a `ConsoleSink` on stderr): what is being measured, each prompt set's AL as
 it comes, and while the vLLM probe runs (engine starts, every K and batch size of a sweep) a line every
@@ -24,7 +29,7 @@ from peagle.eval.speedup import SpeedupPlan
 from peagle.progress import NullSink, ProgressSink, format_duration
 from peagle.spec import HELDOUT_PROMPT_SET
 
-__all__ = ["EVAL_DTYPES", "reference_dtypes", "run_eval"]
+__all__ = ["EVAL_DTYPES", "PARITY_SET", "reference_dtypes", "run_eval"]
 
 #: `--dtype` values of `peagle eval`: `auto` = what the job's own evaluation uses (below).
 EVAL_DTYPES = ("auto", "float32", "bfloat16")
@@ -34,6 +39,9 @@ HEARTBEAT_S = 15.0
 
 #: The probe's progress lines in its log (`peagle.engine.probe.PROGRESS_PREFIX`; the probe imports no peagle).
 PROBE_PREFIX = "peagle-probe: "
+
+#: The name of the parity record's prompt set among the sets vLLM measures.
+PARITY_SET = "parity"
 
 #: What a report drops when it is printed (token ids of every output).
 _BULKY = ("outputs", "counters")
@@ -145,7 +153,7 @@ def run_eval(
         `{"engine", "acceptance_length", "per_position", "per_request_spread", "tokens_generated",
         "num_drafts", ...}` of the first set at top level, `prompt_sets` (every set), `serving` (the
         speedup report, with `speedup`); with `both`, the reference numbers at top level plus `"vllm"` and
-        `"comparison"`.
+        `"comparison"`; with vLLM, `parity` (`ParityResult.to_dict()`, None when the export has no record).
 
     Raises:
         ValueError: `speedup` without vLLM, or an unknown `dtype`.
@@ -156,8 +164,9 @@ def run_eval(
     from peagle.builtin import local_verifier
     from peagle.data.prompts import PromptSources, prompt_set_ids, run_heldout_prompts
     from peagle.errors import TargetLoadError
+    from peagle.eval.parity import PARITY_FILE, check_parity, read_parity
     from peagle.eval.reference import evaluate_prompts
-    from peagle.eval.serve_check import compare_reports, measure_vllm
+    from peagle.eval.serve_check import compare_reports, measure_vllm, run_vllm_probe
     from peagle.export.writer import (
         check_export,
         load_exported_draft,
@@ -213,14 +222,36 @@ def run_eval(
         out["prompt_sets"] = {name: _slim(r) for name, r in ref.items()}
     if engine in ("vllm", "both"):
         what = f"vLLM: AL on {', '.join(sets)} at K={k}" + (f", {_speedup_text(speedup)}" if speedup else "")
+        record = read_parity(export_dir)
+        # the record's prompts ride along in the same engine start when its settings are the asked ones
+        same = record is not None and (int(record["num_speculative_tokens"]), int(record["max_new_tokens"])) \
+            == (k, max_new_tokens)
+        measured = {**sets, PARITY_SET: [list(p) for p in record["prompts"]]} if same and record else sets
         out_sink.log("info", f"{what}: starting the engines")
         with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:  # the probe's log, read as it grows
             log = Path(tmp) / "vllm.log"
             with _heartbeat(out_sink, "vLLM probe", every_s=heartbeat_s, log=log):
-                res = measure_vllm(export_dir, sets, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
+                res = measure_vllm(export_dir, measured, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
                                    speedup=speedup, verifier=tpath, log_path=log)  # fmt: skip
+                facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
+                if record is None:
+                    parity = None
+                    out_sink.log("info", f"served parity not checked: {export_dir} has no {PARITY_FILE} (written "
+                                         "by a job's evaluation with the reference decoder)")  # fmt: skip
+                else:
+                    if same:
+                        on_record = {**facts, **res["prompt_sets"].pop(PARITY_SET)}
+                    else:
+                        out_sink.log("info", f"served parity: the recorded prompts at the recorded K="
+                                             f"{record['num_speculative_tokens']}, {record['max_new_tokens']} new "
+                                             "tokens (another engine start)")  # fmt: skip
+                        on_record = run_vllm_probe(
+                            export_dir, [list(p) for p in record["prompts"]],
+                            max_new_tokens=int(record["max_new_tokens"]),
+                            num_speculative_tokens=int(record["num_speculative_tokens"]), verifier=tpath, log_path=log)
+                    parity = check_parity(record, on_record)
+                    out_sink.log("info" if parity.ok else "error", parity.message)
         out_sink.log("info", "vLLM: done")
-        facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
         v_first = {**facts, **_slim(res["prompt_sets"][first])}
         if not ref:
             out.update(v_first)
@@ -229,4 +260,5 @@ def run_eval(
             out["vllm"] = {**v_first, "prompt_sets": {name: _slim(r) for name, r in res["prompt_sets"].items()}}
             out["comparison"] = compare_reports(ref[first], {**facts, **res["prompt_sets"][first]})
         out["serving"] = res["serving"]
+        out["parity"] = parity.to_dict() if parity is not None else None
     return out

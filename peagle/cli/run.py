@@ -342,7 +342,7 @@ def eval_cmd(
     """Measure acceptance length (AL, vLLM's pooled definition) per prompt set and, with --speedup, the
     serving speedup of an export."""
     from peagle.cli.evaluate import run_eval
-    from peagle.eval.speedup import plan_speedup, speedup_text
+    from peagle.eval.speedup import plan_speedup
     from peagle.export.writer import num_speculative_tokens_of, read_export_config
     from peagle.progress import ConsoleSink
 
@@ -369,9 +369,18 @@ def eval_cmd(
         speedup=plan, sink=console,
     )  # fmt: skip
     console.close()
+    parity = report.get("parity")
     if as_json:
         typer.echo(json.dumps(report))
-        return
+    else:
+        _print_eval(report)
+    if parity and not parity.get("ok"):  # the report is printed; the exit code says the export mis-serves
+        raise _fail(parity["message"], EXIT_CODES["served_parity_failed"])
+
+
+def _print_eval(report: dict[str, Any]) -> None:
+    from peagle.eval.speedup import speedup_text
+
     typer.echo(f"acceptance_length {report.get('acceptance_length')}")
     typer.echo(f"per_position {report.get('per_position')}")
     for key in ("per_request_spread", "tokens_generated", "num_drafts", "engine"):
@@ -395,6 +404,8 @@ def eval_cmd(
             k_rec = rec["num_speculative_tokens"]
             typer.echo(f"  recommended at batch {rec['batch_size']}: "
                        + (f"K={k_rec}" if k_rec else "no draft (slower at every K measured)"))
+    if report.get("parity"):
+        typer.echo(report["parity"]["message"])
 
 
 def register(app: typer.Typer) -> None:

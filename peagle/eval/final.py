@@ -11,8 +11,14 @@ The decoder is `peagle.eval.decoder.measuring_engine`'s (the resolved `eval.engi
    report, hardware) that the service stores on that checkpoint.
 2. `exporting`: RUN/export = the best checkpoint's config.json + model.safetensors, plus eval.json
    (`publish_export`).
+   With the reference decoder, RUN/export/parity.json records its acceptance per draft position on the first
+   set with the prompts' token ids, K and max_new_tokens (`peagle.eval.parity.parity_record`); the `eval`
+   event's evaluation carries it without the prompts (`parity_reference`).
 3. `serve_check` (reference engine with `eval.serve_check`): vLLM loads RUN/export with parallel drafting,
-   measures the first set (and the speedup) and is compared with the reference decoder.
+   measures the recorded prompts (and the speedup) and is compared with the reference decoder; the
+   served-parity gate (`peagle.eval.parity.check_parity`) fails the phase with `ServedParityError`
+   (exit code 12, `served_parity_failed`) when vLLM accepts clearly less at some position, after the
+   comparison (serve_check.json, the `eval` event) is recorded.
 """
 
 from __future__ import annotations
@@ -23,15 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from peagle.data.prompts import PromptSources, prompt_ids
-from peagle.errors import CheckpointError, ResourceError
+from peagle.errors import CheckpointError, ResourceError, ServedParityError
 from peagle.eval.decoder import al_str, decoder_name, eos_ids, measuring_engine, resolved_eval
+from peagle.eval.parity import PARITY_FILE, check_parity, parity_record, parity_summary, read_parity
 from peagle.fileio import atomic_write_json, publish_dir
 from peagle.progress import ProgressSink
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 
 __all__ = ["al_text", "best_checkpoint", "evaluate_export", "evaluate_run", "evaluation_summary", "publish_export",
-           "serve_check"]
+           "reference_parity", "serve_check"]
 
 #: Report fields left out of events and eval.json (token ids of every output, raw counters).
 _BULKY = ("outputs", "counters")
@@ -201,6 +208,26 @@ def publish_export(ckpt: Path, dest: Path) -> Path:
     return dest
 
 
+def reference_parity(
+    spec: TrainSpec, ev: dict[str, Any], ckpt: Path, tok: Any, k: int, sources: PromptSources | None = None,
+) -> dict[str, Any] | None:
+    """The parity record (`peagle.eval.parity.parity_record`) of a reference evaluation (`evaluate_export`
+    with the reference decoder): its first prompt set, those prompts' token ids, K and max_new_tokens, and
+    the verifier the checkpoint's config names. None when no set was measured."""
+    from peagle.export.writer import read_export_config, verifier_of
+
+    sets = prompt_ids(spec, tok, sources, first_only=True) if spec.eval.prompt_sets else []
+    if not sets:
+        return None
+    name, prompts = sets[0]
+    report = (ev.get("prompt_sets") or {}).get(name)
+    if not report or not report.get("num_drafts"):
+        return None
+    return parity_record(report, prompt_set=name, prompts=prompts, num_speculative_tokens=k,
+                         max_new_tokens=spec.eval.max_new_tokens, checkpoint=ckpt.name,
+                         verifier=verifier_of(read_export_config(ckpt)))  # fmt: skip
+
+
 def _write_json(path: Path, data: Any) -> None:
     atomic_write_json(path, data, indent=2, sort_keys=True, default=str, newline=True)
 
@@ -218,10 +245,16 @@ def serve_check(
         sink.event("warning", message="serve check skipped: vLLM is not installed (make vllm-env)")
         return None
     eval_json = json.loads((export_dir / "eval.json").read_text(encoding="utf-8"))
-    name, prompts = prompt_ids(spec, tok, sources, first_only=True)[0]
+    record = read_parity(export_dir)
+    max_new = spec.eval.max_new_tokens
+    if record is not None:  # the recorded prompts and settings: what the gate compares with
+        name, prompts = str(record["prompt_set"]), [list(p) for p in record["prompts"]]
+        k, max_new = int(record["num_speculative_tokens"]), int(record["max_new_tokens"])
+    else:
+        name, prompts = prompt_ids(spec, tok, sources, first_only=True)[0]
     plan = _speedup_plan(spec, k, len(prompts))
     try:  # vLLM loads the folder the run trained against; the export names it portably
-        res = measure_vllm(export_dir, {name: prompts}, max_new_tokens=spec.eval.max_new_tokens,
+        res = measure_vllm(export_dir, {name: prompts}, max_new_tokens=max_new,
                            num_speculative_tokens=k, speedup=plan, verifier=target_path)  # fmt: skip
     except ResourceError as exc:
         sink.event("warning", message=f"serve check failed: {exc}")
@@ -232,6 +265,8 @@ def serve_check(
     cmp = compare_reports(ref, vllm)
     serving = _serving_summary(res.get("serving"), k)
     cmp["serving"] = serving
+    parity = check_parity(record, vllm) if record is not None else None
+    cmp["parity"] = parity.to_dict() if parity is not None else None
     _write_json(export_dir / "serve_check.json", cmp)
     v_al, r_al = cmp["vllm"].get(ACCEPTANCE_LENGTH), cmp["reference"].get(ACCEPTANCE_LENGTH)
     sink.event(
@@ -245,13 +280,20 @@ def serve_check(
                  "al_ratio_vllm_over_reference": cmp["al_ratio_vllm_over_reference"]},
         evaluation={"serving": serving, "vllm": {key: cmp["vllm"].get(key) for key in (
             ACCEPTANCE_LENGTH, PER_POSITION, "per_request_spread", "parallel_drafting_ok", "vllm_version")},
-            "hardware": res.get("hardware")},
+            "hardware": res.get("hardware"), "parity": cmp["parity"]},
     )
     if serving:
         sink.log("info", serving["summary"])
     if not res.get("parallel_drafting_ok"):
         sink.event("warning", message="vLLM did not run the export with parallel drafting: "
                                       + "; ".join(res.get("problems") or []))  # fmt: skip
+    if parity is None:
+        sink.event("warning", message=f"served parity not checked: RUN/export has no {PARITY_FILE} (the reference "
+                                      "decoder did not measure this run)")  # fmt: skip
+    elif not parity.ok:
+        raise ServedParityError(parity.message)
+    else:
+        sink.log("info", parity.message)
     return cmp
 
 
@@ -272,13 +314,19 @@ def evaluate_run(
     if result.eval.get(ACCEPTANCE_LENGTH) is not None:
         values = {ACCEPTANCE_LENGTH: result.eval[ACCEPTANCE_LENGTH], **al_pos_values(result.eval.get(PER_POSITION, []))}
         sink.metric(step, step / max(total_steps, 1) * resolved.optim.epochs, values)
+    record = reference_parity(resolved, result.eval, best, tok, k, sources) if engine == "reference" else None
+    evaluation = evaluation_summary(result.eval)
+    if record is not None:
+        evaluation["parity_reference"] = parity_summary(record)
     # `checkpoint_step` lets the service record this AL (and the evaluation) on the evaluated checkpoint.
     sink.event("eval", metrics=_slim(result.eval), checkpoint=best.name, checkpoint_step=_step_of(best.name),
-               evaluation=evaluation_summary(result.eval))
+               evaluation=evaluation)
 
     sink.event("phase", phase="exporting", message="RUN/export = the best checkpoint's vLLM export")
     export_dir = publish_export(best, run / "export")
     _write_json(export_dir / "eval.json", {"checkpoint": best.name, **_slim(result.eval)})
+    if record is not None:
+        _write_json(export_dir / PARITY_FILE, record)
     result.export_dir = export_dir
     sink.event("export", dir="export", checkpoint=best.name, message=f"exported {best.name} to RUN/export")
 

@@ -1,0 +1,194 @@
+"""The served-parity gate: does vLLM accept, position by position, what the same weights accepted in the
+reference decoder under the training run's own settings? (docs/export.md section 7)
+
+    record = parity_record(report, prompt_set="humaneval", prompts=ids, num_speculative_tokens=4,
+                           max_new_tokens=64, checkpoint="step_000240")      # written as RUN/export/parity.json
+    result = check_parity(record, vllm_report)                                # vLLM on record["prompts"]
+    if not result.ok: raise ServedParityError(result.message)
+
+The record is measured once, when the checkpoint is evaluated (`peagle.eval.final.evaluate_run`), by the
+reference decoder with the draft as it was trained: the weights, aux layer ids and mask embedding of the
+trainer, not of the exported config. It travels with the export (`parity.json`), so a config broken on the
+way to vLLM (aux layer ids off by one, `mask_hidden` zeroed, a norm flag that does not match training)
+cannot move both sides alike.
+
+The rule, per draft position k (rates as `peagle.eval.acceptance` counts them, `rate_k` = drafts with more
+than k tokens accepted / drafts): with `p_r` over `n_r` reference drafts and `p_v` over `n_v` vLLM drafts,
+the position disagrees when
+
+    p_r - p_v > max(FLOOR, Z * sqrt(p * (1 - p) * (1 / n_r + 1 / n_v))),   p = (p_r n_r + p_v n_v) / (n_r + n_v)
+
+i.e. vLLM accepts less than the reference by more than Z = 3 binomial standard errors of the difference, or
+FLOOR = 0.05 (bf16 serving vs the fp32 reference flips a few argmaxes, and greedy outputs then diverge).
+Only a drop fails (a mis-served draft never accepts more); a gain is reported. Worked example: p_r = 0.80
+over 100 drafts, p_v = 0.60 over 110: p = 0.695, tolerance 3 * sqrt(0.695 * 0.305 * (1/100 + 1/110)) = 0.19,
+the drop 0.20 fails; p_v = 0.65 passes. vLLM not drafting in parallel fails on its own. Torch-free and pure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FLOOR",
+    "PARITY_FILE",
+    "USUAL_CAUSES",
+    "ParityResult",
+    "PositionCheck",
+    "Z",
+    "check_parity",
+    "parity_record",
+    "parity_summary",
+    "position_tolerance",
+    "read_parity",
+]
+
+#: The record's file in an export folder.
+PARITY_FILE = "parity.json"
+#: Its format version.
+PARITY_VERSION = 1
+#: Standard errors of the rate difference a position may drop by.
+Z = 3.0
+#: The smallest tolerated drop (numerical differences between the engines).
+FLOOR = 0.05
+#: What has broken served acceptance in the field, most likely first (vLLM issues; docs/export.md 7).
+USUAL_CAUSES = (
+    "eagle_aux_hidden_state_layer_ids off by one (vLLM's input-of-layer convention vs output-of-layer)",
+    "mask_hidden missing or zero (positions 1.. collapse, position 0 is unaffected)",
+    "norm_before_fc (or another norm flag) in config.json not matching training",
+    "vLLM fell back to sequential drafting (no parallel drafting: Model Runner V2, an eagle3 config without "
+    "parallel_drafting)",
+    "a different verifier than the one trained against",
+)
+
+
+def parity_record(
+    report: Mapping[str, Any], *, prompt_set: str, prompts: Sequence[Sequence[int]], num_speculative_tokens: int,
+    max_new_tokens: int, checkpoint: str | None = None, verifier: str | None = None,
+) -> dict[str, Any]:
+    """What the gate compares vLLM with: the reference decoder's acceptance on one prompt set and the
+    settings it was measured under (greedy, temperature 0, as every AL here).
+
+    Args:
+        report: the reference decoder's `EvalReport.to_dict()` on `prompts`.
+        prompts: the prompts as token ids (chat template included); vLLM is given these exact ids.
+    """
+    n = int(report.get("num_drafts") or 0)
+    per_pos = [float(x) for x in report.get("per_position") or []]
+    return {
+        "version": PARITY_VERSION, "engine": "reference", "checkpoint": checkpoint, "verifier": verifier,
+        "prompt_set": prompt_set, "num_prompts": len(prompts), "prompts": [[int(t) for t in p] for p in prompts],
+        "num_speculative_tokens": int(num_speculative_tokens), "max_new_tokens": int(max_new_tokens),
+        "temperature": 0.0, "acceptance_length": report.get("acceptance_length"), "per_position": per_pos,
+        "num_drafts": n, "accepted_per_pos": [round(r * n) for r in per_pos],
+        "tolerance": {"z": Z, "floor": FLOOR},
+    }  # fmt: skip
+
+
+def parity_summary(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record without its prompts (what a checkpoint's evaluation keeps)."""
+    return {k: v for k, v in record.items() if k != "prompts"}
+
+
+def read_parity(export_dir: str | Path) -> dict[str, Any] | None:
+    """The export's parity record, or None when it has none (an export not written by a job's evaluation)."""
+    path = Path(export_dir) / PARITY_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) and data.get("prompts") else None
+
+
+def position_tolerance(p_ref: float, n_ref: int, p_vllm: float, n_vllm: int, *, z: float = Z,
+                       floor: float = FLOOR) -> float:
+    """The largest tolerated drop of one position's rate (module docstring)."""
+    if n_ref <= 0 or n_vllm <= 0:
+        return 1.0
+    p = (p_ref * n_ref + p_vllm * n_vllm) / (n_ref + n_vllm)
+    return max(floor, z * math.sqrt(max(p * (1.0 - p), 0.0) * (1.0 / n_ref + 1.0 / n_vllm)))
+
+
+@dataclass(frozen=True)
+class PositionCheck:
+    """One draft position: both rates, the tolerated drop, whether it holds."""
+
+    position: int
+    reference: float
+    vllm: float
+    tolerance: float
+    ok: bool
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """The gate's verdict; `message` is one line naming the disagreeing positions and the usual causes."""
+
+    ok: bool
+    message: str
+    positions: list[PositionCheck] = field(default_factory=list)
+    reference_al: float | None = None
+    vllm_al: float | None = None
+    parallel_drafting_ok: bool | None = None
+
+    @property
+    def failed_positions(self) -> list[int]:
+        return [p.position for p in self.positions if not p.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok, "message": self.message, "failed_positions": self.failed_positions,
+            "positions": [p.__dict__ for p in self.positions], "reference_acceptance_length": self.reference_al,
+            "vllm_acceptance_length": self.vllm_al, "parallel_drafting_ok": self.parallel_drafting_ok,
+            "tolerance": {"z": Z, "floor": FLOOR},
+        }  # fmt: skip
+
+
+def _al(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, int | float) else "n/a"
+
+
+def check_parity(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> ParityResult:
+    """Compare vLLM's per-position acceptance with the recorded reference (module docstring).
+
+    Args:
+        reference: a `parity_record` (or any report with `per_position`, `num_drafts`).
+        vllm: vLLM's report on the record's prompts at its K and max_new_tokens (`run_vllm_probe`, or a
+            `measure_vllm` set report with the engine facts): `per_position`, `num_drafts`, and
+            `parallel_drafting_ok` / `problems` when known.
+    """
+    p_ref = [float(x) for x in reference.get("per_position") or []]
+    p_v = [float(x) for x in vllm.get("per_position") or []]
+    n_ref, n_v = int(reference.get("num_drafts") or 0), int(vllm.get("num_drafts") or 0)
+    parallel = vllm.get("parallel_drafting_ok")
+    checks = [PositionCheck(k, p_ref[k], p_v[k], tol := position_tolerance(p_ref[k], n_ref, p_v[k], n_v),
+                            p_ref[k] - p_v[k] <= tol) for k in range(min(len(p_ref), len(p_v)))]  # fmt: skip
+    problems: list[str] = []
+    if parallel is False:
+        problems.append("vLLM did not draft in parallel (" + ("; ".join(vllm.get("problems") or []) or "no reason")
+                        + ")")
+    if n_ref and not n_v:
+        problems.append("vLLM drafted nothing on the recorded prompts")
+    elif len(p_v) < len(p_ref):
+        problems.append(f"vLLM drafted {len(p_v)} positions, the reference {len(p_ref)}")
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        listed = ", ".join(f"position {c.position}: vLLM {c.vllm:.2f} vs reference {c.reference:.2f} "
+                           f"(drop {c.reference - c.vllm:.2f} > tolerance {c.tolerance:.2f})" for c in bad)
+        problems.insert(0, f"acceptance dropped at draft position{'s' if len(bad) > 1 else ''} "
+                           f"{', '.join(str(c.position) for c in bad)} ({listed})")
+    ref_al, v_al = reference.get("acceptance_length"), vllm.get("acceptance_length")
+    drafts = f"{n_v} vLLM drafts vs {n_ref} reference"
+    if problems:
+        message = (f"served parity failed: vLLM AL {_al(v_al)} vs {_al(ref_al)} in the reference decoder with the "
+                   f"same weights and settings ({drafts}); " + "; ".join(problems)
+                   + ". Usual causes: " + "; ".join(USUAL_CAUSES))
+    else:
+        message = (f"served parity ok: vLLM AL {_al(v_al)} vs {_al(ref_al)} in the reference decoder, every draft "
+                   f"position within tolerance ({drafts})")
+    return ParityResult(ok=not problems, message=message, positions=checks, reference_al=ref_al, vllm_al=v_al,
+                        parallel_drafting_ok=parallel if isinstance(parallel, bool) else None)

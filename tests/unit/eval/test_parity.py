@@ -1,0 +1,69 @@
+"""The served-parity gate's rule (peagle.eval.parity): which drops fail, what the message says, the record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from peagle.eval.parity import (
+    FLOOR,
+    PARITY_FILE,
+    USUAL_CAUSES,
+    check_parity,
+    parity_record,
+    parity_summary,
+    position_tolerance,
+    read_parity,
+)
+
+
+def test_tolerance_is_three_standard_errors_of_the_difference_or_the_floor() -> None:
+    # the worked example of the module docstring
+    assert position_tolerance(0.8, 100, 0.6, 110) == pytest.approx(0.19, abs=0.005)
+    # many drafts: the floor
+    assert position_tolerance(0.5, 100_000, 0.5, 100_000) == FLOOR
+    # no drafts on a side: nothing can be said, nothing fails
+    assert position_tolerance(0.5, 0, 0.0, 10) == 1.0
+
+
+def test_a_drop_beyond_tolerance_fails_and_names_positions_figures_and_causes() -> None:
+    ref = {"per_position": [0.9, 0.7, 0.5], "num_drafts": 200, "acceptance_length": 3.1}
+    vllm = {"per_position": [0.88, 0.1, 0.02], "num_drafts": 400, "acceptance_length": 2.0,
+            "parallel_drafting_ok": True, "problems": []}  # fmt: skip
+    res = check_parity(ref, vllm)
+    assert not res.ok and res.failed_positions == [1, 2]
+    assert "position 1: vLLM 0.10 vs reference 0.70" in res.message
+    assert "position 2: vLLM 0.02 vs reference 0.50" in res.message
+    assert "position 0" not in res.message.split("Usual causes")[0]
+    assert all(cause in res.message for cause in USUAL_CAUSES)
+    assert "\n" not in res.message  # one line: the job's error message, the CLI's error line
+    assert res.to_dict()["failed_positions"] == [1, 2]
+
+
+def test_a_gain_or_a_drop_within_noise_passes() -> None:
+    ref = {"per_position": [0.6, 0.3], "num_drafts": 50}
+    assert check_parity(ref, {"per_position": [0.5, 0.25], "num_drafts": 55, "parallel_drafting_ok": True}).ok
+    assert check_parity(ref, {"per_position": [0.9, 0.8], "num_drafts": 40, "parallel_drafting_ok": True}).ok
+
+
+def test_sequential_drafting_or_no_drafts_fail_on_their_own() -> None:
+    ref = {"per_position": [0.6, 0.3], "num_drafts": 50}
+    seq = check_parity(ref, {"per_position": [0.6, 0.3], "num_drafts": 50, "parallel_drafting_ok": False,
+                             "problems": ["no mask_hidden"]})  # fmt: skip
+    assert not seq.ok and "did not draft in parallel (no mask_hidden)" in seq.message
+    none = check_parity(ref, {"per_position": [], "num_drafts": 0, "parallel_drafting_ok": True})
+    assert not none.ok and "vLLM drafted nothing" in none.message
+
+
+def test_the_record_round_trips_through_the_export_folder(tmp_path: Path) -> None:
+    report = {"acceptance_length": 2.5, "per_position": [0.9, 0.6], "num_drafts": 40}
+    rec = parity_record(report, prompt_set="humaneval", prompts=[[1, 2, 3], [4, 5]], num_speculative_tokens=2,
+                        max_new_tokens=32, checkpoint="step_000010", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert rec["accepted_per_pos"] == [36, 24] and rec["temperature"] == 0.0 and rec["num_prompts"] == 2
+    assert "prompts" not in parity_summary(rec)
+    assert read_parity(tmp_path) is None
+    (tmp_path / PARITY_FILE).write_text(json.dumps(rec))
+    assert read_parity(tmp_path) == rec
+    assert check_parity(rec, {**report, "parallel_drafting_ok": True}).ok
