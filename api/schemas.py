@@ -424,6 +424,10 @@ class Funnel(BaseModel):
     train_tokens: int | None = Field(description="Tokens in the training rows (null: not known here).")
     truncated: int | None = Field(description="Kept conversations cut at `data.max_length` (null: not known).")
     estimated: bool = Field(description="True in the dry run (an estimate), false when counted.")
+    prompts_only: int | None = Field(default=None, description="Rows read that end with a user turn and have no "
+                                     "answer (request bodies, prompts): kept when `data.regenerate.enabled` is on "
+                                     "(the target writes the answer), else among the `no_assistant_turn` drops "
+                                     "(null: not known here).")
 
 
 class Estimate(BaseModel):

@@ -4,14 +4,22 @@ Containers: a top-level JSON array (ShareGPT's 125 MB file; parsed element by el
 `json.JSONDecoder.raw_decode` over chunks, never loaded whole) or JSON lines. Schemas:
 
 - ``sharegpt``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``
-- ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``
+- ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``; an OpenAI chat-completions
+  request body (``{"model": ..., "messages": [...], "temperature": ...}``) is one: only ``messages`` is read
 - ``tokenized``: ``{"input_ids": [...], "loss_mask": [...]}`` (pre-tokenised, used as is)
+- ``prompt``: a prompt list, ``{"prompt": "..."}`` per row (other fields ignored, as in an OpenAI
+  completions request body) or a bare JSON string per row; each becomes one user turn
+
+**Prompts-only rows.** A chat row with no non-empty assistant turn whose last turn is a non-empty user turn
+(a request body, a prompt) has no answer to train on. It is kept only when the caller asks
+(``keep_prompts_only``: the job regenerates, so the target writes the answer, `peagle.data.regenerate`);
+otherwise it is skipped as `no_assistant_turn`. Either way it is counted in `IngestReport.prompts_only`.
 
 Every row is either kept (yielded as a `Row`) or skipped with a reason in the `IngestReport`
 (counts per reason + the first `MAX_BAD_ROWS` rows with their line number and index). A file that cannot
 be read at all (not found, too large, truncated/malformed JSON container) raises `DataInvalidError` naming
 the line. Roles: human/user -> user; gpt/assistant/chatgpt/bard/bing/model -> assistant; system; tool/
-function/ipython -> tool; anything else -> assistant (as speculators does; counted in `unknown_roles`).
+function/ipython -> tool; developer (OpenAI's newer name) -> system; anything else -> assistant (as speculators does; counted in `unknown_roles`).
 
 Run as ``python -m peagle.data.formats PATH [--format F] [--tokenizer DIR]`` to print `validate_dataset`'s
 report as JSON (exit 0 if usable, 4 otherwise).
@@ -29,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from peagle.errors import DataInvalidError
-from peagle.spec.funnel import funnel
+from peagle.spec.funnel import NO_ASSISTANT_TURN, funnel
 
 __all__ = [
     "MAX_BAD_ROWS",
+    "SCHEMAS",
     "IngestReport",
     "Limits",
     "Row",
@@ -43,6 +52,8 @@ __all__ = [
 ]
 
 MAX_BAD_ROWS = 100
+#: The row schemas (`format` values besides ``auto``).
+SCHEMAS = ("sharegpt", "messages", "tokenized", "prompt")
 _ROLE_MAP = {
     "human": "user",
     "user": "user",
@@ -53,6 +64,7 @@ _ROLE_MAP = {
     "bing": "assistant",
     "model": "assistant",
     "system": "system",
+    "developer": "system",
     "tool": "tool",
     "function": "tool",
     "ipython": "tool",
@@ -78,6 +90,7 @@ class Row:
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
     source: int = 0  # index of the DataSource it came from
+    prompt_only: bool = False  # no answer, ends with a user turn (kept only with keep_prompts_only)
 
 
 @dataclass
@@ -85,22 +98,25 @@ class IngestReport:
     """Counts of one ingestion: read / kept / skipped by reason, and where the bad rows are."""
 
     path: str = ""
-    format: str = ""  # sharegpt | messages | tokenized (a valid DataSource.format)
+    format: str = ""  # sharegpt | messages | tokenized | prompt
     container: str = ""  # array (one JSON array) | jsonl
     rows_read: int = 0
     rows_kept: int = 0
     skipped_by_reason: Counter[str] = field(default_factory=Counter)
     bad_rows: list[dict[str, Any]] = field(default_factory=list)
     unknown_roles: Counter[str] = field(default_factory=Counter)
+    #: Prompts-only rows met (module docstring): kept with `keep_prompts_only`, else among the skipped.
+    prompts_only: int = 0
 
     @property
     def rows_skipped(self) -> int:
         return sum(self.skipped_by_reason.values())
 
-    def skip(self, index: int, line: int, reason: str, detail: str = "") -> None:
-        """Record a skipped row (reason is a short snake_case key, detail free text)."""
+    def skip(self, index: int, line: int, reason: str, detail: str = "", *, bad: bool = True) -> None:
+        """Record a skipped row (reason is a short snake_case key, detail free text); `bad` False counts it
+        without listing it in `bad_rows` (a prompts-only row is not malformed: it only lacks an answer)."""
         self.skipped_by_reason[reason] += 1
-        if len(self.bad_rows) < MAX_BAD_ROWS:
+        if bad and len(self.bad_rows) < MAX_BAD_ROWS:
             self.bad_rows.append({"line": line, "index": index, "reason": reason, "detail": detail[:300]})
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +130,7 @@ class IngestReport:
             "skipped_by_reason": dict(sorted(self.skipped_by_reason.items())),
             "bad_rows": list(self.bad_rows),
             "unknown_roles": dict(self.unknown_roles),
+            "prompts_only": self.prompts_only,
         }
 
 
@@ -300,7 +317,31 @@ def _schema_of(value: Any) -> str | None:
             return "messages"
         if "input_ids" in value:
             return "tokenized"
+        if "prompt" in value:
+            return "prompt"
+    if isinstance(value, str):
+        return "prompt"
     return None
+
+
+def _answered(messages: list[dict[str, str]]) -> bool:
+    return any(m["role"] == "assistant" and m["content"].strip() for m in messages)
+
+
+def _parse_prompt(value: Any) -> tuple[list | None, str, str]:
+    """A prompt-list row as one user turn: (messages, reason, detail); messages None = skip."""
+    text = value.get("prompt") if isinstance(value, dict) else value
+    if not isinstance(value, (dict, str)):
+        return None, "wrong_type", f"row is {type(value).__name__}, expected an object or a string"
+    if text is None:
+        return None, "missing_field", "no 'prompt' field"
+    if not isinstance(text, str):
+        return None, "wrong_type", f"'prompt' is {type(text).__name__}, expected a string"
+    if not text.strip():
+        return None, "empty_conversation", "the prompt is empty"
+    if _bad_text(text):
+        return None, "invalid_utf8", "the prompt has invalid UTF-8 / lone surrogates"
+    return [{"role": "user", "content": text}], "", ""
 
 
 def _parse_chat(
@@ -344,9 +385,9 @@ def _parse_chat(
         out.append({"role": norm, "content": content})
     while out and out[0]["role"] == "assistant":  # a conversation must not open with the answer
         out.pop(0)
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
-        return None, "no_assistant_turn", "no non-empty assistant turn after a prompt"
-    return out, "", ""
+    if not _answered(out) and not (out and out[-1]["role"] == "user" and out[-1]["content"].strip()):
+        return None, NO_ASSISTANT_TURN, "no non-empty assistant turn after a prompt"
+    return out, "", ""  # (without an answer: prompts-only, `iter_rows` decides)
 
 
 def _parse_tokenized(value: Any) -> tuple[list[int] | None, list[int] | None, str, str]:
@@ -366,7 +407,7 @@ def _parse_tokenized(value: Any) -> tuple[list[int] | None, list[int] | None, st
     if len(ids) != len(mask):
         return None, None, "length_mismatch", f"input_ids {len(ids)} vs loss_mask {len(mask)}"
     if not any(mask):
-        return None, None, "no_assistant_turn", "loss_mask is all zero"
+        return None, None, NO_ASSISTANT_TURN, "loss_mask is all zero"
     return ids, [int(x) for x in mask], "", ""
 
 
@@ -374,8 +415,8 @@ def detect_format(path: str | Path) -> tuple[str, str]:
     """(container, schema) of a file from its first character and first row: container `array`|`jsonl`."""
     path = Path(path)
     first = _first_char(path)
-    if first not in "[{":
-        raise DataInvalidError(f"{path}: line 1: not JSON/JSONL (does not start with '[' or '{{')")
+    if not first or first not in '[{"':
+        raise DataInvalidError(f"{path}: line 1: not JSON/JSONL (does not start with '[', '{{' or '\"')")
     container = "array" if first == "[" else "jsonl"
     scratch = IngestReport()
     it = (
@@ -388,7 +429,7 @@ def detect_format(path: str | Path) -> tuple[str, str]:
         if schema is None:
             raise DataInvalidError(
                 f"{path}: line {line}: cannot detect the format: first row has none of "
-                "'conversations', 'messages', 'input_ids'"
+                "'conversations', 'messages', 'input_ids', 'prompt' (nor is it a string)"
             )
         return container, schema
     if scratch.bad_rows:  # rows, none readable: say why the first one is not
@@ -405,16 +446,19 @@ def iter_rows(
     skip: int = 0,
     max_samples: int | None = None,
     limits: Limits | None = None,
+    keep_prompts_only: bool = False,
 ) -> Iterator[Row]:
     """Stream the usable rows of a dataset file; skipped rows are recorded in `report`.
 
     Args:
         path: JSON array or JSONL file.
-        format: ``auto`` | ``sharegpt`` | ``messages`` | ``tokenized`` (DataSource.format).
+        format: ``auto`` | ``sharegpt`` | ``messages`` | ``tokenized`` | ``prompt``.
         report: filled in place (counts, bad rows); pass one to read it afterwards.
         skip: drop this many readable rows first (DataSource.skip); they count as read, not kept.
         max_samples: stop after this many kept rows.
         limits: size limits.
+        keep_prompts_only: yield prompts-only rows (`Row.prompt_only`; module docstring) instead of skipping
+            them as `no_assistant_turn`: the caller has the target write their answers.
 
     Raises:
         DataInvalidError: the file is missing, too large, or its container is malformed (names the line).
@@ -432,6 +476,8 @@ def iter_rows(
     container, detected = detect_format(path) if format == "auto" else (None, format)
     if container is None:
         container = "array" if _first_char(path) == "[" else "jsonl"
+    if detected not in SCHEMAS:
+        raise DataInvalidError(f"{path}: unknown format {detected!r} (one of {', '.join(SCHEMAS)})")
     schema = detected
     report.path, report.format, report.container = str(path), schema, container
     raw = (
@@ -443,14 +489,20 @@ def iter_rows(
             ids, mask, reason, detail = _parse_tokenized(value)
             row = Row(index, line, input_ids=ids, loss_mask=mask) if ids is not None else None
         else:
-            msgs, reason, detail = _parse_chat(value, schema, limits, report)
-            row = Row(index, line, messages=msgs) if msgs is not None else None
+            msgs, reason, detail = (_parse_prompt(value) if schema == "prompt"
+                                    else _parse_chat(value, schema, limits, report))
+            row = Row(index, line, messages=msgs, prompt_only=not _answered(msgs)) if msgs is not None else None
+        if row is not None and row.prompt_only and not keep_prompts_only:
+            report.prompts_only += 1
+            report.skip(index, line, NO_ASSISTANT_TURN, bad=False)
+            continue
         if row is None:
             report.skip(index, line, reason, detail)
             continue
         if skipped < skip:
             skipped += 1
             continue
+        report.prompts_only += row.prompt_only
         report.rows_kept += 1
         yield row
         if max_samples is not None and report.rows_kept >= max_samples:
@@ -469,6 +521,10 @@ def validate_dataset(
     """Cheap check of an uploaded dataset; never raises for bad data.
 
     Returns the ingestion report as a dict plus ``ok`` and ``error`` (a fatal problem naming the line);
+    ``rows_kept`` counts the rows with an answer to train on, ``prompts_only`` the rows without one that end
+    with a user turn (module docstring: usable when the job regenerates; filed under `no_assistant_turn` in
+    the funnel, whose ``prompts_only`` says how many of its drops they are). A dataset of prompts only is
+    ``ok``: whether a job can use it depends on its `data.regenerate` (the API's preflight checks);
     with `tokenizer_path` also ``tokens``, ``assistant_tokens`` and ``assistant_coverage`` (the fraction of
     tokens supervised) from the tokenizer's own chat template. With `max_row_bytes`, a bigger row makes the
     dataset unusable (``ok`` false, ``error`` naming the line) instead of being skipped.
@@ -506,9 +562,10 @@ def validate_dataset(
         where = f"line {big['line']}" if big else "a row"
         out["error"] = f"{path}: {where}: row exceeds the limit of {limits.max_row_bytes} bytes per row"
     out["funnel"] = funnel(read=report.rows_read, kept=report.rows_kept, dropped_by_reason=report.skipped_by_reason,
-                           train_tokens=tokens if tok is not None else None)
-    out["ok"] = out["error"] is None and report.rows_kept > 0
-    if out["error"] is None and report.rows_kept == 0:
+                           train_tokens=tokens if tok is not None else None, prompts_only=report.prompts_only)
+    usable = report.rows_kept + report.prompts_only
+    out["ok"] = out["error"] is None and usable > 0
+    if out["error"] is None and usable == 0:
         out["error"] = f"{path}: no usable row ({report.rows_read} read, all skipped)"
     return out
 
@@ -518,7 +575,7 @@ def _main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m peagle.data.formats", description=validate_dataset.__doc__)
     ap.add_argument("path")
-    ap.add_argument("--format", default="auto", choices=["auto", "sharegpt", "messages", "tokenized"])
+    ap.add_argument("--format", default="auto", choices=["auto", *SCHEMAS])
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--max-rows", type=int, default=None)
     ap.add_argument("--max-row-bytes", type=int, default=None, help="a bigger row makes the dataset invalid")

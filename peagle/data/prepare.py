@@ -2,7 +2,9 @@
 
 Steps: stream every source (`peagle.data.formats`), optionally regenerate assistant turns with the target
 (`peagle.data.regenerate`: vLLM or transformers, cached by content in a folder shared by jobs; its drops go
-into the funnel), hold out `data.eval_samples` conversations (seeded), template + mask on all cores
+into the funnel; prompts-only rows, with no answer and a user turn last, are kept only then: the target
+writes their answer; without regeneration a source left with nothing but them is refused, naming it), hold
+out `data.eval_samples` conversations (seeded), template + mask on all cores
 (`peagle.data.template`), drop rows with fewer than `data.min_assistant_tokens` supervised tokens
 (reported), count assistant tokens of the TRAIN rows for the draft vocab (docs/decisions.md decision 7), choose the mask
 token (docs/decisions.md decision 8, proven unused in train+eval rows), pack (seeded). Results go to ``RUN/data/``
@@ -56,7 +58,8 @@ from peagle.spec.funnel import (
 __all__ = ["PreparedData", "RegenPlan", "data_cache_key", "data_funnel", "prepare_data", "regeneration_plan",
            "resolve_regeneration"]
 
-CACHE_VERSION = 3  # 2: the data report carries the funnel (peagle.spec.funnel); 3: content-keyed regeneration
+CACHE_VERSION = 4  # 2: the data report carries the funnel (peagle.spec.funnel); 3: content-keyed regeneration;
+# 4: prompts-only rows are kept and answered when regenerating (the funnel counts them)
 
 
 @dataclass
@@ -163,7 +166,15 @@ def _log(sink: ProgressSink | None, msg: str) -> None:
         sink.log("info", msg)
 
 
-def _read_sources(spec: TrainSpec, dataset_root: Path | None) -> tuple[list[Row], list[dict[str, Any]]]:
+def _read_sources(spec: TrainSpec, dataset_root: Path | None, *, keep_prompts_only: bool
+                  ) -> tuple[list[Row], list[dict[str, Any]]]:
+    """Every source's usable rows and ingestion report; prompts-only rows kept with `keep_prompts_only`
+    (regeneration on).
+
+    Raises:
+        DataInvalidError: a source that cannot be read, or (regeneration off) one whose rows are all
+            prompts-only, named by its field (``data.sources.K.path``).
+    """
     rows: list[Row] = []
     reports = []
     for k, src in enumerate(spec.data.sources):
@@ -178,9 +189,14 @@ def _read_sources(spec: TrainSpec, dataset_root: Path | None) -> tuple[list[Row]
         cap = min((c for c in caps if c is not None), default=None)
         if cap is not None and cap <= 0:
             break
-        for row in iter_rows(path, src.format, rep, skip=src.skip, max_samples=cap):
+        for row in iter_rows(path, src.format, rep, skip=src.skip, max_samples=cap,
+                             keep_prompts_only=keep_prompts_only):
             row.source = k
             rows.append(row)
+        if rep.rows_kept == 0 and rep.prompts_only and not keep_prompts_only:
+            raise DataInvalidError(
+                f"data.sources.{k}.path: {rep.prompts_only} of {rep.rows_read} rows end with a user turn and have "
+                "no answer to train on; turn on data.regenerate.enabled so the target writes them")
         reports.append({"source": k, **rep.to_dict()})
     return rows, reports
 
@@ -240,7 +256,7 @@ def prepare_data(
             )
     d = spec.data
     _emit(sink, "phase", phase="preparing_data", message="reading, templating and packing the data")
-    rows, src_reports = _read_sources(spec, dataset_root)
+    rows, src_reports = _read_sources(spec, dataset_root, keep_prompts_only=plan is not None)
     if not rows:
         raise DataInvalidError("no usable conversation in data.sources: " + json.dumps(src_reports)[:2000])
     chat = [i for i, r in enumerate(rows) if r.messages is not None]
@@ -367,6 +383,7 @@ def _regenerate(plan: RegenPlan, tokenizer: Any, chat: list[int], convs: list[An
     rate = f" at {rep['tokens_per_s']:.0f} tokens/s" if rep["tokens_per_s"] else ""
     _log(sink, f"regeneration ({s.engine}): {rep['generated']} generated ({rep['tokens']} tokens{rate}), "
                f"{rep['cached']} from the cache; {rep['kept']} kept, dropped: {why}; "
+               f"{rep['answers_appended']} ended with a user turn (answer appended); "
                f"{rep['answers_cut']} kept with a cut answer, {rep['stopped_at_max_length']} stopped at data.max_length")
     dropped = {chat[i]: r for i, r in res.reasons.items()}
     kept = [(chat[i], m) for i, m in enumerate(res.conversations) if m is not None]
@@ -385,7 +402,8 @@ def data_funnel(report: dict[str, Any], src_reports: list[dict[str, Any]], held_
         reasons[SOURCE_SKIP] = reasons.get(SOURCE_SKIP, 0) + passed_over
     return funnel(read=report["rows_read"], kept=report["rows_kept"], dropped_by_reason=reasons,
                   held_out=held_out, packed_rows=report["train_rows"], train_tokens=report["train_tokens"],
-                  truncated=report["truncated_conversations"])
+                  truncated=report["truncated_conversations"],
+                  prompts_only=sum(int(r.get("prompts_only", 0)) for r in src_reports))
 
 
 def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:

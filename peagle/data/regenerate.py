@@ -7,6 +7,10 @@ docs/algorithm.md 1.2). Engine-agnostic; the engines are in `peagle.data.regener
 
 Rules, per conversation (`ConversationRun`):
 
+* a conversation that ends with a user turn (a prompts-only row: a request body, a prompt; or a multi-turn
+  one whose last prompt was never answered) gets an assistant turn appended (`with_answer_slot`), so the
+  target writes one more answer; its content key is then that of the same prompts with an answer, whose
+  old content never counts (`peagle.data.regenerate_cache.conversation_key`), so both share a cache record;
 * turns are walked in order; user/system/tool turns are kept; assistant turn j is generated from the
   already regenerated prefix ``conv[:j]``, rendered with the target's own chat template
   (`peagle.data.template.render` + generation prompt, tokenised as training tokenises it) and sent as
@@ -23,8 +27,8 @@ Rules, per conversation (`ConversationRun`):
   training row holds the same tokens as if it had been generated to its end;
 * an answer cut by the limit (``finish_reason == "length"``): with `on_length: drop` the conversation stops
   and is dropped (`regenerated_answer_cut`); with `keep` it goes on from the cut answer (counted);
-* a conversation with no non-empty assistant answer (none in the input, or only empty answers) is dropped
-  as `no_assistant_turn`;
+* a conversation with no non-empty assistant answer (no turn to answer in the input, or only empty
+  answers) is dropped as `no_assistant_turn`;
 * sampling (temperature > 0) is seeded per turn from (optim.seed, the conversation's content key, the turn),
   so an answer never depends on batch order or on which conversations share the engine.
 
@@ -60,6 +64,7 @@ __all__ = [
     "RegenSettings",
     "outcome",
     "regenerate_conversations",
+    "with_answer_slot",
 ]
 
 #: Least seconds between two progress records (the first and the last always go out).
@@ -97,6 +102,18 @@ class RegenSettings:
         if self.temperature > 0:
             out["seed"] = self.seed
         return out
+
+
+def with_answer_slot(messages: Messages) -> Messages:
+    """`messages` with an empty assistant turn appended when its last turn is a user turn (the target
+    writes that answer); else `messages` itself.
+
+    >>> with_answer_slot([{"role": "user", "content": "Hi"}])[-1]
+    {'role': 'assistant', 'content': ''}
+    """
+    if messages and messages[-1]["role"] == "user":
+        return [*messages, {"role": "assistant", "content": ""}]
+    return messages
 
 
 def turn_seed(key: str, turn: int, seed: int) -> int:
@@ -263,7 +280,8 @@ def regenerate_conversations(
     clock: Callable[[], float] = time.monotonic,
     progress_every_s: float = PROGRESS_EVERY_S,
 ) -> RegenResult:
-    """Regenerate every assistant turn of `conversations` (module docstring), reusing the shared cache.
+    """Regenerate every assistant turn of `conversations` and answer a last user turn (module docstring),
+    reusing the shared cache.
 
     Args:
         conversations: normalised conversations (lists of ``{"role", "content"}``).
@@ -280,12 +298,16 @@ def regenerate_conversations(
     Returns:
         `RegenResult`: ``conversations[i]`` (None when dropped), ``reasons`` {i: funnel reason}, ``report``
         (``conversations``, ``cached``, ``generated``, ``kept``, ``dropped_by_reason``, ``answers_cut``,
-        ``stopped_at_max_length``, ``tokens``, ``seconds``, ``tokens_per_s``, ``cache_file``).
+        ``stopped_at_max_length``, ``answers_appended`` (conversations that ended with a user turn),
+        ``tokens``, ``seconds``, ``tokens_per_s``, ``cache_file``).
 
     Raises:
         EngineError: the engine failed to start, died, or refused a request (what is done stays cached).
     """
     group = group_key(identity, settings.key_fields())
+    slotted = [with_answer_slot(list(c)) for c in conversations]
+    appended = sum(len(a) != len(c) for a, c in zip(slotted, conversations, strict=True))
+    conversations = slotted
     keys = [conversation_key(group, c) for c in conversations]
 
     def encode(msgs: Messages) -> list[int]:
@@ -353,6 +375,7 @@ def regenerate_conversations(
         "answers_cut": sum(m is not None and "length" in records[k]["finish"] for m, k in zip(out, keys, strict=True)),
         "stopped_at_max_length": sum(m is not None and records[k].get("stop") == "max_length"
                                      for m, k in zip(out, keys, strict=True)),
+        "answers_appended": appended,
         "tokens": tokens,
         "seconds": round(clock() - t0, 2),
         "generation_seconds": round(gen_s, 2),

@@ -7,6 +7,10 @@ estimate (`api.estimate`) report the same numbers under the same names (docs/ser
 Invariant (by construction): ``read == kept + dropped`` and ``dropped == sum(dropped_by_reason.values())``;
 a difference the caller cannot explain is filed under `UNACCOUNTED` (tests assert it never appears).
 
+`PROMPTS_ONLY` is not a step but a count beside them: the rows read that end with a user turn and have no
+answer (an OpenAI request body, a prompt). With `data.regenerate` on they are kept and the target writes
+the answer; off, they are among the `no_assistant_turn` drops (`peagle.data.formats`).
+
     >>> f = funnel(read=10, kept=8, dropped_by_reason={"no_assistant_turn": 2}, held_out=1)
     >>> f["dropped"], f["train_conversations"]
     (2, 7)
@@ -26,6 +30,7 @@ __all__ = [
     "KEPT",
     "NO_ASSISTANT_TURN",
     "PACKED_ROWS",
+    "PROMPTS_ONLY",
     "READ",
     "REASONS",
     "REGEN_ANSWER_CUT",
@@ -52,9 +57,11 @@ TRAIN_TOKENS = "train_tokens"
 TRUNCATED = "truncated"
 #: Whether the numbers are an estimate (dry run) or counted (job report, dataset validator).
 ESTIMATED = "estimated"
+#: Rows read without an answer that end with a user turn (module docstring); None: not known (dry run).
+PROMPTS_ONLY = "prompts_only"
 
 FUNNEL_KEYS = (READ, KEPT, DROPPED, DROPPED_BY_REASON, HELD_OUT, TRAIN_CONVERSATIONS, PACKED_ROWS, TRAIN_TOKENS,
-               TRUNCATED, ESTIMATED)
+               TRUNCATED, ESTIMATED, PROMPTS_ONLY)
 
 # Drop reasons decided after templating (peagle.data.prepare); the ingestion reasons are
 # peagle.data.formats' skip keys (empty_conversation, no_assistant_turn, invalid_json, ...).
@@ -72,7 +79,8 @@ UNACCOUNTED = "unaccounted"
 #: Every reason a conversation can be dropped for, with the sentence the dashboard and logs show.
 REASONS: Mapping[str, str] = {
     "empty_conversation": "the conversation has no turns",
-    NO_ASSISTANT_TURN: "no non-empty assistant turn after a prompt",
+    NO_ASSISTANT_TURN: "no non-empty assistant turn after a prompt (prompts_only counts those that end with a "
+                       "user turn: data.regenerate.enabled has the target write their answers)",
     "missing_field": "no conversations/messages/input_ids field",
     "wrong_type": "a field has the wrong type",
     "invalid_json": "the line is not valid JSON",
@@ -99,6 +107,7 @@ def funnel(
     train_tokens: int | None = None,
     truncated: int | None = None,
     estimated: bool = False,
+    prompts_only: int | None = None,
 ) -> dict[str, Any]:
     """The funnel of one data pass: read -> kept (+ dropped by reason) -> held out -> packed rows -> tokens.
 
@@ -111,6 +120,7 @@ def funnel(
         train_tokens: tokens in the training rows (None: not known).
         truncated: kept conversations cut at `data.max_length` (None: not known).
         estimated: True for the dry run's estimate.
+        prompts_only: rows read that end with a user turn and have no answer (None: not known).
     """
     reasons = {k: int(v) for k, v in sorted(dropped_by_reason.items()) if int(v) > 0}
     gap = int(read) - int(kept) - sum(reasons.values())
@@ -128,4 +138,5 @@ def funnel(
         TRAIN_TOKENS: train_tokens,
         TRUNCATED: truncated,
         ESTIMATED: estimated,
+        PROMPTS_ONLY: None if prompts_only is None else int(prompts_only),
     }

@@ -110,11 +110,16 @@ def test_multi_turn_prompts_hold_the_regenerated_answers(smollm2_tokenizer, tmp_
     assert first in p2 and "OLD" not in "".join(eng.prompts)
     assert p2.endswith("<|im_start|>assistant\n")  # the target's own template with its generation prompt
     assert res.conversations[1] is not None and res.conversations[1][0] == {"role": "system", "content": "be brief"}
-    # no assistant turn: dropped without asking; an answer cut with on_length drop: dropped, its turn 2 never asked
-    assert res.reasons == {2: NO_ASSISTANT_TURN, 3: REGEN_ANSWER_CUT}
+    # a prompt without an answer: the target writes one (appended); an answer cut with on_length drop:
+    # dropped, its turn 2 never asked
+    answered = res.conversations[2]
+    assert answered is not None and answered[0] == CONVS[2][0] and [m["role"] for m in answered] == ["user",
+                                                                                                    "assistant"]
+    assert answered[1]["content"].startswith("reply") and answered[1]["content"].endswith("to only a question")
+    assert res.reasons == {3: REGEN_ANSWER_CUT} and res.report["answers_appended"] == 1
     assert not any("then this" in p for p in eng.prompts)
-    assert res.report["dropped_by_reason"] == {NO_ASSISTANT_TURN: 1, REGEN_ANSWER_CUT: 1}
-    assert res.report["kept"] == 2 and res.report["generated"] == 3 and res.report["cached"] == 0
+    assert res.report["dropped_by_reason"] == {REGEN_ANSWER_CUT: 1}
+    assert res.report["kept"] == 3 and res.report["generated"] == 4 and res.report["cached"] == 0
 
 
 def test_on_length_keep_goes_on_from_the_cut_answer(smollm2_tokenizer, tmp_path):
@@ -122,17 +127,17 @@ def test_on_length_keep_goes_on_from_the_cut_answer(smollm2_tokenizer, tmp_path)
     res = _run(smollm2_tokenizer, CONVS, _settings(on_length="keep"), eng, tmp_path)
     kept = res.conversations[3]
     assert kept is not None and kept[1]["content"].startswith("cut answer") and kept[3]["content"].endswith("then this")
-    assert res.reasons == {2: NO_ASSISTANT_TURN} and res.report["answers_cut"] == 1
+    assert res.reasons == {} and res.report["answers_cut"] == 1
     # a record made under `drop` stopped at the cut: `keep` cannot use it and generates that conversation again
     eng_drop = Scripted(smollm2_tokenizer, concurrent=True)
     _run(smollm2_tokenizer, CONVS, _settings(), eng_drop, tmp_path / "other")
     eng_keep = Scripted(smollm2_tokenizer, concurrent=True)
     again = _run(smollm2_tokenizer, CONVS, _settings(on_length="keep"), eng_keep, tmp_path / "other")
-    assert again.report["generated"] == 1 and again.report["cached"] == 2
+    assert again.report["generated"] == 1 and again.report["cached"] == 3
     # ... while `drop` reuses everything `keep` made (it drops the cut one when reading)
     eng3 = Scripted(smollm2_tokenizer, concurrent=True)
     third = _run(smollm2_tokenizer, CONVS, _settings(), eng3, tmp_path)
-    assert eng3.opened == 0 and third.reasons == {2: NO_ASSISTANT_TURN, 3: REGEN_ANSWER_CUT}
+    assert eng3.opened == 0 and third.reasons == {3: REGEN_ANSWER_CUT}
 
 
 def test_empty_answers_and_long_prompts(smollm2_tokenizer, tmp_path):
@@ -398,7 +403,7 @@ def test_prepare_data_files_regeneration_drops_in_the_funnel(smollm2_tokenizer, 
         _conv(("user", "SILENT"), ("assistant", "old")),
         _conv(("user", "word " * 120), ("assistant", "old")),  # its prompt reaches max_length
         _conv(("user", "a question"), ("assistant", "old")),
-        _conv(("user", "only a prompt")),  # dropped by ingestion already
+        _conv(("user", "only a prompt")),  # prompts-only: kept by ingestion, the target writes its answer
     ]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
@@ -422,10 +427,11 @@ def test_prepare_data_files_regeneration_drops_in_the_funnel(smollm2_tokenizer, 
                       regen_engine=cfg)
     assert [o[1] for o in opened] == [tmp_path / "run" / "logs" / "engine-regenerate.log"]
     f = pd.report["funnel"]
-    assert f["dropped_by_reason"] == {NO_ASSISTANT_TURN: 2, REGEN_ANSWER_CUT: 1, TOO_LONG: 1}
-    assert f["read"] == f["kept"] + f["dropped"] == 6 and f["kept"] == 2
+    assert f["dropped_by_reason"] == {NO_ASSISTANT_TURN: 1, REGEN_ANSWER_CUT: 1, TOO_LONG: 1}
+    assert f["read"] == f["kept"] + f["dropped"] == 6 and f["kept"] == 3 and f["prompts_only"] == 1
     reg = pd.report["regeneration"]
-    assert (reg["conversations"], reg["generated"], reg["cached"], reg["kept"]) == (5, 4, 0, 2)
+    assert (reg["conversations"], reg["generated"], reg["cached"], reg["kept"]) == (6, 5, 0, 3)
+    assert reg["answers_appended"] == 1
     assert any(b["reason"].startswith(REGEN_ANSWER_CUT) for b in pd.report["bad_rows"])
     phases = [fl["phase"] for r, k, fl in sink.records if r == "event" and k == "phase"]
     assert phases == ["preparing_data", "regenerating", "building_vocab"]
@@ -436,7 +442,7 @@ def test_prepare_data_files_regeneration_drops_in_the_funnel(smollm2_tokenizer, 
     # a second job (another run dir): everything from the shared cache, no engine
     again = prepare_data(spec, smollm2_tokenizer, tmp_path / "run2", target_vocab_size=49152, workers=1,
                          regen_engine=cfg)
-    assert len(opened) == 1 and again.report["regeneration"]["cached"] == 4
+    assert len(opened) == 1 and again.report["regeneration"]["cached"] == 5
     assert torch_equal(again.train.input_ids, pd.train.input_ids)
     # what changes the regenerated data changes the data cache key
     plan = regeneration_plan(spec, smollm2_tokenizer, tmp_path, regen_engine=cfg)

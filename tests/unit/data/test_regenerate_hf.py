@@ -68,8 +68,12 @@ def test_hf_follows_the_rules_and_resumes_from_the_cache(tiny_model, smollm2_tok
     s = _settings(temperature=1.0)
     m = Counting(tiny_model, smollm2_tokenizer)
     res = _run(m, smollm2_tokenizer, CONVS, s, tmp_path)
-    assert m.calls == 4  # one per answer when sampling (2 + 1 + 1; the prompt-only conversation asks nothing)
-    assert res.reasons == {3: NO_ASSISTANT_TURN}
+    assert m.calls == 5  # one per answer when sampling (2 + 1 + 1, + 1 for the prompt without an answer)
+    assert res.reasons == {}
+    # the prompt without an answer gets the target's (appended), asked with the generation prompt
+    (alone,) = [p for p in m.prompts if "no answer here" in p]
+    assert alone.endswith("no answer here<|im_end|>\n<|im_start|>assistant\n")
+    assert [t["role"] for t in res.conversations[3] or []] == ["user", "assistant"]
     for new, old in zip(res.conversations[:3], CONVS, strict=False):
         assert new is not None and [t["role"] for t in new] == [t["role"] for t in old]
         assert [t["content"] for t in new if t["role"] != "assistant"] == [
@@ -79,23 +83,22 @@ def test_hf_follows_the_rules_and_resumes_from_the_cache(tiny_model, smollm2_tok
     (p2,) = [p for p in m.prompts if "More" in p]
     assert first and first in p2 and "old" not in p2
     # a random 12-token answer never reaches the end of turn: every answer is cut; `keep` counts them
-    assert res.report["answers_cut"] == 3
+    assert res.report["answers_cut"] == 4
     # `drop` reuses the same records and drops them (no generate call)
     m_drop = Counting(tiny_model, smollm2_tokenizer)
     dropped = _run(m_drop, smollm2_tokenizer, CONVS, _settings(temperature=1.0, on_length="drop"), tmp_path)
-    assert m_drop.calls == 0 and dropped.reasons == {0: REGEN_ANSWER_CUT, 1: REGEN_ANSWER_CUT, 2: REGEN_ANSWER_CUT,
-                                                      3: NO_ASSISTANT_TURN}
+    assert m_drop.calls == 0 and dropped.reasons == dict.fromkeys(range(4), REGEN_ANSWER_CUT)
     # interrupted after the first record: only the missing conversations are generated again
     (cache,) = tmp_path.glob("*.jsonl")
     cache.write_text(cache.read_text().splitlines(keepends=True)[0])
     m2 = Counting(tiny_model, smollm2_tokenizer)
     again = _run(m2, smollm2_tokenizer, CONVS, s, tmp_path)
-    assert again.report["cached"] == 1 and again.report["generated"] == 2
+    assert again.report["cached"] == 1 and again.report["generated"] == 3
     assert again.conversations == res.conversations  # every turn sampled under its own seed: identical
     # greedy: the random model answers newlines only, and a conversation without a non-empty answer is dropped
     greedy = _run(tiny_model, smollm2_tokenizer, CONVS, _settings(), tmp_path)
     assert greedy.reasons == dict.fromkeys(range(4), NO_ASSISTANT_TURN)
-    assert greedy.report["generated"] == 3
+    assert greedy.report["generated"] == 4
 
 
 def test_hf_finish_reasons_and_token_counts(tiny_model, smollm2_tokenizer):
