@@ -255,6 +255,12 @@ def _speedup_note(serving: dict[str, Any], trained_k: int) -> str | None:
     chosen = next((int(r["num_speculative_tokens"]) for r in sorted(recs, key=lambda r: int(r["batch_size"]))
                    if r.get("num_speculative_tokens")), None)  # fmt: skip
     tail = (f" The long form uses K={chosen} (trained: {trained_k})." if chosen and chosen != trained_k else "")
+    schedule = (serving.get("recommended_speculative_config") or {}).get("num_speculative_tokens_per_batch_size")
+    if schedule:
+        said = [f"{'no draft' if not k else f'K={k}'} at batch {a}" + (f"-{b}" if b > a else "")
+                for a, b, k in schedule]
+        tail += (" By batch size (vLLM's num_speculative_tokens_per_batch_size; the last range holds for every "
+                 "larger batch; vLLM 0.32 serves a P-EAGLE draft at one K or none): " + ", ".join(said) + ".")
     return f"Measured in vLLM on {hw.get('device', '?')} {where}: " + "; ".join(parts) + "." + tail
 
 
@@ -288,9 +294,11 @@ def serve_command(job_id: str, step: Step, state: State, session: DB, principal:
     if str(verifier).startswith("/") and verifier not in own:
         verifier = portable_verifier(str(target.get("model", "")), target.get("name_or_path")) or target.get("model")
     serving = (ck.evaluation or {}).get("serving") or {}
-    measured_k = (serving.get("recommended_speculative_config") or {}).get("num_speculative_tokens")
-    spec_cfg = {"model": f"./{name}", "method": "eagle3", "num_speculative_tokens": int(measured_k or k),
-                "parallel_drafting": True}
+    measured = serving.get("recommended_speculative_config") or {}
+    spec_cfg = {"model": f"./{name}", "method": "eagle3",
+                "num_speculative_tokens": int(measured.get("num_speculative_tokens") or k), "parallel_drafting": True}
+    if measured.get("num_speculative_tokens_per_batch_size"):  # the K schedule (peagle.eval.speedup.k_schedule)
+        spec_cfg["num_speculative_tokens_per_batch_size"] = measured["num_speculative_tokens_per_batch_size"]
     return {
         "recommended": serving.get("recommended") or [],
         "speedup_note": _speedup_note(serving, int(k)),
