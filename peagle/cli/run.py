@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -373,13 +374,15 @@ def eval_cmd(
     if as_json:
         typer.echo(json.dumps(report))
     else:
-        _print_eval(report)
+        _print_eval(report, src)
     if parity and not parity.get("ok"):  # the report is printed; the exit code says the export mis-serves
         raise _fail(parity["message"], EXIT_CODES["served_parity_failed"])
 
 
-def _print_eval(report: dict[str, Any]) -> None:
-    from peagle.eval.speedup import speedup_text
+def _print_eval(report: dict[str, Any], src: Path) -> None:
+    from peagle.eval.speedup import speculative_config, speedup_text
+    from peagle.export.rules import verifier_of
+    from peagle.export.writer import read_export_config
 
     typer.echo(f"acceptance_length {report.get('acceptance_length')}")
     typer.echo(f"per_position {report.get('per_position')}")
@@ -404,6 +407,13 @@ def _print_eval(report: dict[str, Any]) -> None:
             k_rec = rec["num_speculative_tokens"]
             typer.echo(f"  recommended at batch {rec['batch_size']}: "
                        + (f"K={k_rec}" if k_rec else "no draft (slower at every K measured)"))
+        # the K schedule by batch size (peagle.eval.speedup.k_schedule) in the command that serves it
+        recs = serving.get("recommended") or []
+        cfg = speculative_config(str(src), recs, int(serving.get("num_speculative_tokens") or 1)) if recs else None
+        if cfg is not None:
+            verifier = verifier_of(read_export_config(src)) or "VERIFIER"
+            typer.echo(f"  serve with: vllm serve {shlex.quote(verifier)} --speculative-config "
+                       f"{shlex.quote(json.dumps(cfg))}")
     if report.get("parity"):
         typer.echo(report["parity"]["message"])
 

@@ -128,3 +128,22 @@ def test_vllm_reads_the_schedule_as_recommended() -> None:
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["unknown"] == []
     assert got["k"] == [2] * 15 + [0] * 17  # batch 1..15 -> K 2; 16 and beyond (carried) -> no draft
+
+
+def test_peagle_eval_prints_the_serve_command_with_the_schedule(tmp_path, capsys) -> None:
+    """`peagle eval --speedup` ends its serving table with the command that serves the schedule."""
+    import shlex
+
+    from peagle.cli.run import _print_eval
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"speculators_config": {"verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}}}))
+    rows = _rows({(2, 1): 1.3, (3, 1): 1.2, (2, 8): 0.8, (3, 8): 0.7})
+    serving = {"num_speculative_tokens": 3, "table": [], "recommended": recommend(rows), "hardware": {}}
+    _print_eval({"serving": serving}, tmp_path)
+    line = capsys.readouterr().out.splitlines()[-1]
+    words = shlex.split(line.split("serve with: ", 1)[1])
+    assert words[:3] == ["vllm", "serve", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert json.loads(words[4]) == {"model": str(tmp_path), "method": "eagle3", "num_speculative_tokens": 2,
+                                    "parallel_drafting": True,
+                                    "num_speculative_tokens_per_batch_size": [[1, 7, 2], [8, 8, 0]]}
