@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from peagle.spec import preset_names
+from peagle.spec.init_from import parse_init_from
 from service.db import states
 
 __all__ = [
@@ -21,8 +22,10 @@ __all__ = [
     "Estimate",
     "JobCreate",
     "JobOut",
+    "JobParent",
     "JobSummary",
     "Page",
+    "job_parent",
     "job_public",
 ]
 
@@ -140,6 +143,32 @@ class JobSummary(_Out):
     updated_at: datetime
 
 
+class JobParent(_Out):
+    """What a warm-started job (`draft.init_from`) started from: the owner's job (and its checkpoint) or an
+    uploaded draft."""
+
+    kind: Literal["job", "draft"] = Field(description="`job`: an earlier job; `draft`: an uploaded draft.")
+    id: str = Field(description="The job's or the upload's id.")
+    step: int | None = Field(default=None, description="The job's checkpoint step; null: its best checkpoint.")
+    url: str = Field(description="`/v1/jobs/<id>` or `/v1/drafts/<id>`.")
+
+
+def job_parent(spec: Any) -> dict[str, Any] | None:
+    """The `JobParent` of a stored job spec (its `draft.init_from`), or None (no warm start)."""
+    draft = spec.get("draft") if isinstance(spec, Mapping) else None
+    value = draft.get("init_from") if isinstance(draft, Mapping) else None
+    if not isinstance(value, str):
+        return None
+    try:
+        ref = parse_init_from(value)
+    except ValueError:
+        return None
+    if ref.kind == "path":
+        return None
+    base = "/v1/jobs/" if ref.kind == "job" else "/v1/drafts/"
+    return {"kind": ref.kind, "id": ref.ref, "step": ref.step, "url": base + ref.ref}
+
+
 class JobOut(JobSummary):
     """Everything about one job."""
 
@@ -147,6 +176,8 @@ class JobOut(JobSummary):
     spec: dict[str, Any]
     resolved_spec: dict[str, Any] | None
     provenance: dict[str, Any] | None
+    parent: JobParent | None = Field(default=None, description="The warm start's source (`draft.init_from`); "
+                                     "null: the draft started from the target.")
     best_checkpoint: CheckpointRef | None
     latest_checkpoint: CheckpointRef | None
     event_seq: int
@@ -182,7 +213,7 @@ def job_public(job: Any, *, full: bool = True, queue_position: int | None = None
         base = f"/v1/jobs/{job_id}/checkpoints/"
         out.update(
             max_restarts=g("max_restarts"), spec=g("spec"), resolved_spec=g("resolved_spec"),
-            provenance=g("provenance"),
+            provenance=g("provenance"), parent=job_parent(g("spec")),
             best_checkpoint=None if best is None else {"step": best, "url": f"{base}{best}"},
             latest_checkpoint=None if latest is None else {"step": latest, "url": f"{base}{latest}"},
             event_seq=g("event_seq"), metric_seq=g("metric_seq"), log_seq=g("log_seq"),

@@ -47,6 +47,7 @@ from peagle.fileio import atomic_write_json, read_json
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec
 from service.channels import dataset_id
 from service.db import states
+from service.db.init_from import init_source
 from service.db.lease import (
     Batch,
     Lease,
@@ -220,6 +221,10 @@ class Supervisor:
         if missing:
             return self._end(states.FAILED, code="data_invalid", message=missing, retryable=False,
                              event=("error", f"data_invalid: {missing}"))
+        spec, gone = self._resolve_init_from(spec)
+        if gone:
+            return self._end(states.FAILED, code="spec_invalid", message=gone, retryable=False,
+                             event=("error", f"spec_invalid: {gone}"))
         spec_path = self.run_dir / "job_spec.json"
         atomic_write_json(spec_path, spec.model_dump(mode="json"), indent=2)
         argv = build_command(settings=self.settings, spec=spec, spec_path=spec_path, run_dir=self.run_dir)
@@ -274,8 +279,26 @@ class Supervisor:
         return spec.model_copy(update={"data": spec.data.model_copy(update={"sources": sources}),
                                        "eval": spec.eval.model_copy(update={"prompt_sets": prompt_sets})}), None
 
+    def _resolve_init_from(self, spec: TrainSpec) -> tuple[TrainSpec, str | None]:
+        """The spec the trainer gets: a warm start's `job:`/`draft:` source becomes its export folder (the
+        job owner's sources only, `service.db.init_from`); or why it cannot."""
+        value = spec.draft.init_from
+        if value is None:
+            return spec, None
+        with session_scope(self.factory) as s:
+            owner = job_owner_id(s, self.lease.job_id)
+            found = init_source(s, owner if owner is not None else -1, value,
+                                artifact_root=self.settings.resolved_artifact_root())
+        if found.export_dir is None:
+            return spec, f"draft.init_from: {found.problem}"
+        return spec.model_copy(update={"draft": spec.draft.model_copy(
+            update={"init_from": str(found.export_dir)})}), None
+
     def _public_spec(self, resolved: dict[str, Any]) -> dict[str, Any]:
         """The trainer's resolved spec as the owner sees it: their own data refs, no server path."""
+        warm = (self.lease.spec.get("draft") or {}).get("init_from")
+        if warm is not None and isinstance(resolved.get("draft"), dict):
+            resolved = {**resolved, "draft": {**resolved["draft"], "init_from": warm}}
         mine = (self.lease.spec.get("data") or {}).get("sources") or []
         sources = (resolved.get("data") or {}).get("sources")
         if isinstance(sources, list) and len(sources) == len(mine):

@@ -100,7 +100,7 @@ def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec
     settings = state.settings
     workers = WorkerCheck(queue=queue, mode=settings.worker_check, stale_after_s=settings.lease_seconds)
     checked = preflight(session, owner_id, spec, settings.model_roots, vllm_available=state.vllm_available,
-                        hub=state.hub_probe, workers=workers)
+                        hub=state.hub_probe, workers=workers, artifact_root=settings.resolved_artifact_root())
     checked.check(dry_run=dry_run)
     return checked
 

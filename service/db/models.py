@@ -22,6 +22,7 @@ __all__ = [
     "Checkpoint",
     "CurrentDraft",
     "Dataset",
+    "DraftUpload",
     "Job",
     "JobEvent",
     "JobLog",
@@ -258,6 +259,25 @@ class Dataset(Base):
     size: Mapped[int] = mapped_column(sa.BigInteger)
     sha256: Mapped[str] = mapped_column(sa.String(64))
     format: Mapped[str] = mapped_column(sa.String(32), default="unknown")
+    status: Mapped[str] = mapped_column(sa.String(16), default="validating")
+    report: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class DraftUpload(Base):
+    """An uploaded draft checkpoint (an archive of a speculators-format export folder) for warm starts
+    (`draft.init_from: draft:<id>`): `path` is the unpacked export folder, `report` what the export
+    validator said (errors, warnings) and the draft's facts (hidden size, layers, vocabulary, K)."""
+
+    __tablename__ = "draft_upload"
+    __table_args__ = (sa.Index("ix_draft_upload_owner_id_id", "owner_id", "id"),)
+
+    id: Mapped[str] = mapped_column(sa.String(40), primary_key=True, default=lambda: new_id("drf"))
+    owner_id: Mapped[int] = mapped_column(sa.ForeignKey("owner.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(sa.String(512))
+    path: Mapped[str] = mapped_column(sa.String(1024))
+    size: Mapped[int] = mapped_column(sa.BigInteger)
+    sha256: Mapped[str] = mapped_column(sa.String(64))
     status: Mapped[str] = mapped_column(sa.String(16), default="validating")
     report: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
