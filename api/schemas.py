@@ -552,7 +552,8 @@ class WhoAmI(BaseModel):
 
 
 WebhookEventType = Literal["job.status_changed", "job.succeeded", "job.failed", "job.cancelled",
-                           "job.checkpoint_saved"]
+                           "job.checkpoint_saved", "draft.promoted", "draft.promotion_declined",
+                           "draft.promotion_undone"]
 
 
 class WebhookCreate(BaseModel):
@@ -563,7 +564,7 @@ class WebhookCreate(BaseModel):
     url: str = Field(min_length=1, max_length=2048, json_schema_extra={"format": "uri", "pattern": WEBHOOK_URL_PATTERN},
                      description="http(s) URL that receives the POSTs (a host that resolves to an internal "
                      "address is refused, unless `webhook_allow_hosts` names it).")
-    events: list[WebhookEventType] = Field(min_length=1, max_length=5, description="Event types to receive.")
+    events: list[WebhookEventType] = Field(min_length=1, max_length=8, description="Event types to receive.")
     description: str = Field(default="", max_length=500, pattern=r"^[^\x00]*$")
 
     @field_validator("url")

@@ -64,7 +64,14 @@ EVENT_TYPES = {
     "job.failed": "The job failed (error code and message included).",
     "job.cancelled": "The job was cancelled.",
     "job.checkpoint_saved": "A complete checkpoint was saved (step, best flag, metrics, URL).",
+    "draft.promoted": "A job became the current draft of its target (measured, or forced by the owner).",
+    "draft.promotion_declined": "A retrained draft was not promoted (it did not beat the current one, or was "
+    "not measured); both sets of numbers are on the decision.",
+    "draft.promotion_undone": "The owner undid a promotion: the draft before it is current again.",
 }
+#: The webhook event of a `promotion` job event's decision (`service.db.promotion`).
+_PROMOTION_TYPE = {"promoted": "draft.promoted", "forced": "draft.promoted", "declined": "draft.promotion_declined",
+                   "not_measured": "draft.promotion_declined", "undone": "draft.promotion_undone"}
 TEST_EVENT = "webhook.test"
 PENDING, SUCCEEDED, FAILED = "pending", "succeeded", "failed"
 _TERMINAL_TYPE = {states.SUCCEEDED: "job.succeeded", states.FAILED: "job.failed",
@@ -141,6 +148,11 @@ def event_types_for(ev: JobEvent) -> list[tuple[str, dict[str, Any]]]:
             "step": step, "is_best": bool(data.get("is_best")),
             "metrics": data.get("metrics") if isinstance(data.get("metrics"), dict) else {},
             "url": f"/v1/jobs/{ev.job_id}/checkpoints/{step}", "message": ev.message}))
+    if ev.kind == "promotion" and data.get("decision") in _PROMOTION_TYPE:
+        out.append((_PROMOTION_TYPE[str(data["decision"])], {
+            "message": ev.message, "url": f"/v1/promotion/decisions?job_id={ev.job_id}",
+            **{k: data.get(k) for k in ("decision", "decision_id", "target", "compared_with", "current_before",
+                                        "current_after", "forced", "reason", "batch_sizes")}}))
     return out
 
 

@@ -1,0 +1,193 @@
+"""Promotion in the database: retrain children, the current draft per owner and target, the decisions log.
+
+    add_retrain(s, child_job_id=..., parent_job_id=..., owner_id=..., target=..., batch_sizes=[1, 8])
+    record_decision(s, owner_id=..., target=..., job_id=child, decision="promoted", numbers={...}, ...)
+    undo(s, owner_id=..., target=..., decided_by="alice")
+
+One current draft per (owner, target) (`current_draft`). Every decision is a `promotion_decision` row
+with both sides' numbers and the current draft before and after it; `promoted` and `forced` make the
+job current, `undone` puts back the current draft from before the decision that made the undone one
+current. Each decision is also an event of kind `promotion` on the job it is about (the job page shows
+it, and `service.db.webhooks` sends it as `draft.promoted` / `draft.promotion_declined` /
+`draft.promotion_undone`). The owner's write lock (`service.db.jobs.lock_owner`) serialises decisions.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.db.events import add_event
+from service.db.jobs import lock_owner
+from service.db.models import CurrentDraft, Job, PromotionDecision, Retrain, new_id, utcnow
+
+__all__ = [
+    "MAKES_CURRENT",
+    "add_retrain",
+    "current_drafts",
+    "current_out",
+    "decision_out",
+    "decisions",
+    "record_decision",
+    "retrain_of",
+    "undo",
+]
+
+#: Decisions that make their job the current draft.
+MAKES_CURRENT = ("promoted", "forced")
+#: Decisions `record_decision` stores (`undone` is `undo`'s).
+_RECORDED = ("promoted", "declined", "not_measured", "forced")
+
+
+def add_retrain(session: Session, *, child_job_id: str, parent_job_id: str, owner_id: int, target: str,
+                batch_sizes: list[int]) -> Retrain:
+    """Record that `child_job_id` retrains `parent_job_id` (flushed, not committed)."""
+    row = Retrain(child_job_id=child_job_id, parent_job_id=parent_job_id, owner_id=owner_id, target=target,
+                  batch_sizes=list(batch_sizes), created_at=utcnow())
+    session.add(row)
+    session.flush()
+    return row
+
+
+def retrain_of(session: Session, child_job_id: str) -> Retrain | None:
+    """The retrain record of a job (None: not a retrain child)."""
+    return session.get(Retrain, child_job_id)
+
+
+def current_drafts(session: Session, owner_id: int, *, target: str | None = None) -> list[CurrentDraft]:
+    """The owner's current drafts (one per target), by target."""
+    q = sa.select(CurrentDraft).where(CurrentDraft.owner_id == owner_id)
+    if target is not None:
+        q = q.where(CurrentDraft.target == target)
+    return list(session.scalars(q.order_by(CurrentDraft.target)))
+
+
+def decisions(session: Session, owner_id: int, *, target: str | None = None, job_id: str | None = None,
+              limit: int = 50) -> list[PromotionDecision]:
+    """The owner's decisions, newest first (about `job_id`, or compared with it, when given)."""
+    q = sa.select(PromotionDecision).where(PromotionDecision.owner_id == owner_id)
+    if target is not None:
+        q = q.where(PromotionDecision.target == target)
+    if job_id is not None:
+        q = q.where(sa.or_(PromotionDecision.job_id == job_id, PromotionDecision.compared_with == job_id))
+    return list(session.scalars(q.order_by(PromotionDecision.id.desc()).limit(limit)))
+
+
+def _event(session: Session, row: PromotionDecision) -> None:
+    """The decision as an event of its job (kind `promotion`; a job that is gone gets none)."""
+    attempt = session.scalar(sa.select(Job.attempt).where(Job.id == row.job_id))
+    if attempt is None:
+        return
+    what = {"promoted": "promoted to the current draft", "forced": "made the current draft by its owner (forced)",
+            "declined": "not promoted", "not_measured": "not promoted (not measured)",
+            "undone": "promotion undone"}[row.decision]
+    add_event(session, row.job_id, kind="promotion", attempt=int(attempt),
+              message=f"{what} for {row.target}" + (f": {row.reason}" if row.reason else ""),
+              data={"decision": row.decision, "decision_id": row.id, "target": row.target,
+                    "compared_with": row.compared_with, "current_before": row.current_before,
+                    "current_after": row.current_after, "forced": row.forced, "reason": row.reason,
+                    "batch_sizes": list(row.batch_sizes or [])})
+
+
+def record_decision(
+    session: Session, *, owner_id: int, target: str, job_id: str, decision: str, decided_by: str,
+    compared_with: str | None = None, reason: str = "", batch_sizes: list[int] | None = None,
+    numbers: dict[str, Any] | None = None, checkpoint_step: int | None = None, now: datetime | None = None,
+) -> PromotionDecision:
+    """Store a decision about `job_id` (and, for `promoted` / `forced`, make it current); its job event too.
+
+    Commits. `decision` is one of `peagle.eval.promotion.DECISIONS` except `undone` (see `undo`).
+    """
+    if decision not in _RECORDED:
+        raise ValueError(f"decision: {decision!r} is not a decision to record (undo() undoes)")
+    now = now or utcnow()
+    lock_owner(session, owner_id=owner_id)
+    cur = session.get(CurrentDraft, (owner_id, target))
+    before = cur.job_id if cur is not None else None
+    row = PromotionDecision(
+        id=new_id("prom"), owner_id=owner_id, target=target, job_id=job_id, compared_with=compared_with,
+        current_before=before, current_after=job_id if decision in MAKES_CURRENT else before, decision=decision,
+        forced=decision == "forced", decided_by=decided_by[:200], reason=reason, batch_sizes=list(batch_sizes or []),
+        numbers={**(numbers or {}), "checkpoint_step": checkpoint_step}, created_at=now)
+    session.add(row)
+    if decision in MAKES_CURRENT:
+        _set_current(session, cur, owner_id=owner_id, target=target, job_id=job_id, step=checkpoint_step,
+                     decision_id=row.id, now=now)
+    session.flush()
+    _event(session, row)
+    session.commit()
+    return row
+
+
+def _set_current(session: Session, cur: CurrentDraft | None, *, owner_id: int, target: str, job_id: str | None,
+                 step: int | None, decision_id: str, now: datetime) -> None:
+    if job_id is None:
+        if cur is not None:
+            session.delete(cur)
+        return
+    if cur is None:
+        session.add(CurrentDraft(owner_id=owner_id, target=target, job_id=job_id, checkpoint_step=step,
+                                 decision_id=decision_id, updated_at=now))
+    else:
+        cur.job_id, cur.checkpoint_step, cur.decision_id, cur.updated_at = job_id, step, decision_id, now
+
+
+def undo(session: Session, *, owner_id: int, target: str, decided_by: str) -> PromotionDecision | None:
+    """Put back the current draft from before the decision that made today's current one current (none:
+    no current draft). Commits; returns the `undone` decision, or None when there is nothing to undo."""
+    now = utcnow()
+    lock_owner(session, owner_id=owner_id)
+    cur = session.get(CurrentDraft, (owner_id, target))
+    if cur is None:
+        session.rollback()
+        return None
+    setter = session.get(PromotionDecision, cur.decision_id) if cur.decision_id else None
+    back = setter.current_before if setter is not None else None
+    step = None
+    if back is not None:  # the step it was current at: from the decision that made it current
+        made = session.scalar(sa.select(PromotionDecision).where(
+            PromotionDecision.owner_id == owner_id, PromotionDecision.target == target,
+            PromotionDecision.current_after == back, PromotionDecision.decision.in_(MAKES_CURRENT))
+            .order_by(PromotionDecision.id.desc()).limit(1))
+        step = (made.numbers or {}).get("checkpoint_step") if made is not None else None
+    row = PromotionDecision(
+        id=new_id("prom"), owner_id=owner_id, target=target, job_id=cur.job_id, compared_with=None,
+        current_before=cur.job_id, current_after=back, decision="undone", forced=False, decided_by=decided_by[:200],
+        reason=f"the current draft goes back to {back}" if back else "no current draft any more",
+        batch_sizes=[], numbers={"checkpoint_step": step}, created_at=now)
+    session.add(row)
+    session.flush()
+    # the undo's "previous" is the one before the decision it undid: a second undo walks further back
+    prev_setter = None
+    if back is not None:
+        prev_setter = session.scalar(sa.select(PromotionDecision.id).where(
+            PromotionDecision.owner_id == owner_id, PromotionDecision.target == target,
+            PromotionDecision.current_after == back, PromotionDecision.decision.in_(MAKES_CURRENT),
+            PromotionDecision.id < (setter.id if setter is not None else row.id))
+            .order_by(PromotionDecision.id.desc()).limit(1))
+    _set_current(session, cur, owner_id=owner_id, target=target, job_id=back, step=step,
+                 decision_id=prev_setter or row.id, now=now)
+    _event(session, row)
+    session.commit()
+    return row
+
+
+def _iso(t: datetime | None) -> str | None:
+    return None if t is None else t.isoformat().replace("+00:00", "Z")
+
+
+def decision_out(d: PromotionDecision) -> dict[str, Any]:
+    """Public form of a decision."""
+    return {"id": d.id, "object": "promotion_decision", "target": d.target, "job_id": d.job_id,
+            "compared_with": d.compared_with, "current_before": d.current_before, "current_after": d.current_after,
+            "decision": d.decision, "forced": d.forced, "decided_by": d.decided_by, "reason": d.reason,
+            "batch_sizes": list(d.batch_sizes or []), "numbers": d.numbers or {}, "created_at": _iso(d.created_at)}
+
+
+def current_out(c: CurrentDraft) -> dict[str, Any]:
+    """Public form of a current draft."""
+    return {"object": "current_draft", "target": c.target, "job_id": c.job_id, "checkpoint_step": c.checkpoint_step,
+            "decision_id": c.decision_id, "updated_at": _iso(c.updated_at)}
