@@ -20,7 +20,7 @@ forwards every record unchanged and adds an `info` log line
 - on `progress` events (after an optimizer step), at most one line every `every_s` seconds, plus the first
   step this process runs and the last step of the run:
   `step 12/240 (5%) loss 2.134 tau_sim 1.231 tokens/s 910 eta 4m10s` (`tau_sim` when the step reported
-  it; `eta` from the rate of the steps run since the first line of this process).
+  it; `eta` is `smoothed_eta` of the steps run since the first step of this process, once 3 steps ran).
 
     sink = ProgressLog(MultiSink(JsonlSink(sys.stdout), ...))   # what `run_pipeline` does
 
@@ -36,14 +36,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from peagle.spec.metrics import LOSS, TAU_SIM, TOKENS_PER_S
 
-__all__ = ["LOG_EVERY_S", "ConsoleSink", "JsonlSink", "MultiSink", "NullSink", "ProgressLog", "ProgressSink", "RecordingSink",
-           "format_duration"]
+__all__ = ["ETA_HALF_LIFE_S", "ETA_MIN_SAMPLES", "LOG_EVERY_S", "ConsoleSink", "JsonlSink", "MultiSink", "NullSink",
+           "ProgressLog", "ProgressSink", "RateHistory", "RecordingSink", "format_duration", "smoothed_eta"]
 
 
 @runtime_checkable
@@ -155,6 +157,92 @@ class NullSink:
 
 
 # --------------------------------------------------------------------------------------------------
+# The smoothed ETA
+# --------------------------------------------------------------------------------------------------
+
+#: Half-life of the ETA's rate: an interval of progress this many seconds older than the latest sample
+#: counts half as much.
+ETA_HALF_LIFE_S = 600.0
+#: Intervals that made progress before there is an ETA at all.
+ETA_MIN_SAMPLES = 3
+
+
+def smoothed_eta(samples: Sequence[tuple[float, float]], total: float, *, now: float | None = None,
+                 half_life_s: float = ETA_HALF_LIFE_S, min_samples: int = ETA_MIN_SAMPLES) -> float | None:
+    """Seconds left until `total` units are done, from an exponentially weighted rate of progress.
+
+    The ETA of training steps (`ProgressLog`, the worker's job summary) and of regeneration
+    (`peagle.data.regen_progress`). The rate is ``sum(w_i * dd_i) / sum(w_i * dt_i)`` over the intervals
+    between consecutive samples, each weighted ``w_i = 2 ** (-age_i / half_life_s)`` where ``age_i`` is the
+    seconds from the interval's end to the last sample (or `now`): recent progress decides the rate, a slow
+    start or a pause fades out, and bursts (a batch finishing at once) are averaged over the window instead
+    of swinging the ETA. The first sample is the origin: pass the first progress, not the start of a warm-up
+    (an engine start or the first step's compilation would otherwise weigh on every early estimate).
+
+    Example: a batch of 8 every 60 s after a 10-minute first batch: samples (600, 8), (660, 16), (720, 24),
+    (780, 32) of 200 give 8/60 units/s and 1260 s left; with the start (0, 0) as the origin it reads 3807 s (the
+    plain average since the start: 4095 s).
+
+    Args:
+        samples: (clock seconds, units done) pairs, oldest first; times and counts never decrease.
+        total: units in all.
+        now: the clock now; past the last sample, the time without progress counts as a slower interval.
+        half_life_s: the rate's half-life.
+        min_samples: intervals that made progress needed before an estimate.
+
+    Returns:
+        Seconds left (0 when done), or None while fewer than `min_samples` intervals made progress or the
+        weighted rate is 0.
+    """
+    if len(samples) < 2:
+        return None
+    t_last, d_last = samples[-1]
+    if d_last >= total:
+        return 0.0
+    points = list(samples)
+    if now is not None and now > t_last:
+        points.append((now, d_last))
+        t_last = now
+    moved = weighted_units = weighted_time = 0.0
+    for (t0, d0), (t1, d1) in pairwise(points):
+        w = 0.5 ** ((t_last - t1) / half_life_s)
+        weighted_units += w * (d1 - d0)
+        weighted_time += w * (t1 - t0)
+        moved += d1 > d0
+    if moved < min_samples or weighted_units <= 0 or weighted_time <= 0:
+        return None
+    return (total - d_last) * weighted_time / weighted_units
+
+
+class RateHistory:
+    """The samples `smoothed_eta` reads: (clock, done) when `done` moves, dropping those older than 10
+    half-lives (their weight is under 0.1%) while `min_samples` intervals remain.
+
+        history = RateHistory()
+        history.add(clock(), done)           # on every progress
+        history.eta(total, now=clock())      # seconds left, or None
+    """
+
+    def __init__(self, *, half_life_s: float = ETA_HALF_LIFE_S, min_samples: int = ETA_MIN_SAMPLES) -> None:
+        self.half_life_s, self.min_samples = half_life_s, min_samples
+        self.samples: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, done: float) -> None:
+        """A progress sample; one that did not move (or went back: a new origin) replaces nothing."""
+        if self.samples and done < self.samples[-1][1]:
+            self.samples.clear()
+        if self.samples and done == self.samples[-1][1]:
+            return
+        self.samples.append((now, done))
+        while len(self.samples) > self.min_samples + 2 and now - self.samples[1][0] > 10 * self.half_life_s:
+            self.samples.popleft()
+
+    def eta(self, total: float, *, now: float | None = None) -> float | None:
+        """`smoothed_eta` of the samples."""
+        return smoothed_eta(self.samples, total, now=now, half_life_s=self.half_life_s, min_samples=self.min_samples)
+
+
+# --------------------------------------------------------------------------------------------------
 # The progress log
 # --------------------------------------------------------------------------------------------------
 
@@ -190,7 +278,7 @@ class ProgressLog:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sink, self.every_s, self.clock = sink, every_s, clock
         self._values: dict[str, float] = {}
-        self._origin: tuple[float, int] | None = None  # (clock, step) of the first step seen
+        self._rate = RateHistory()  # (clock, step) since the first step seen
         self._last_line: float | None = None
 
     def metric(self, step: int, epoch: float, values: dict[str, float]) -> None:
@@ -214,11 +302,9 @@ class ProgressLog:
         if not isinstance(step, int) or not isinstance(total, int):
             return
         now = self.clock()
-        if self._origin is None:
-            self._origin = (now, step)
-            due = True
-        else:
-            due = step >= total or self._last_line is None or now - self._last_line >= self.every_s
+        first = not self._rate.samples
+        self._rate.add(now, step)
+        due = first or step >= total or self._last_line is None or now - self._last_line >= self.every_s
         if due:
             self._last_line = now
             self.sink.log("info", self.line(step, total, now))
@@ -231,10 +317,14 @@ class ProgressLog:
             value = _num(self._values.get(key))
             if value is not None:
                 parts.append(f"{label} {fmt.format(value)}")
-        t0, s0 = self._origin or (now, step)
-        if step < total and step > s0 and now > t0:
-            parts.append(f"eta {format_duration((total - step) * (now - t0) / (step - s0))}")
+        eta = self.eta(total, now) if step < total else None
+        if eta is not None:
+            parts.append(f"eta {format_duration(eta)}")
         return " ".join(parts)
+
+    def eta(self, total: int, now: float) -> float | None:
+        """Seconds left to step `total`: `smoothed_eta` of the steps seen since this process's first one."""
+        return self._rate.eta(total, now=now)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from peagle.progress import RateHistory
 from peagle.spec.metrics import (
     ACCEPTANCE_LENGTH,
     LOSS,
@@ -89,8 +90,8 @@ class ProgressCollector:
         self.last_checkpoint_step: int | None = None
         self.checkpoints_seen = 0
         self.last_metric_step: int | None = None
-        self._rate_origin: tuple[float, int] | None = None  # (monotonic time, step) of the first progress
-        self._rate_phase: str | None = None  # the phase that origin was measured in
+        self._rate = RateHistory()  # (monotonic time, step) since the first progress of the phase
+        self._rate_phase: str | None = None  # the phase those steps were counted in
         self._last_progress: dict[str, Any] = {}
         #: the numbers the jobs list shows beside the progress bar (docs/progress.md 5): the latest
         #: measured AL (reference decoder and vLLM) and the best checkpoint's held-out tau_sim
@@ -248,21 +249,23 @@ class ProgressCollector:
         """The job's progress summary from a `progress` event. Training counts optimizer steps; a phase that
         reports its own progress (`phase: regenerating`: conversations done of total) counts its units, and
         the rate behind `seconds_remaining` restarts whenever that phase changes (the training ETA is
-        never measured from the regeneration's start)."""
+        never measured from the regeneration's start). Training's is `peagle.progress.smoothed_eta`, as in
+        the trainer's step lines."""
         step = int(rec.get("step") or 0)
         total = rec.get("total_steps")
         total = int(total) if isinstance(total, int | float) and total > 0 else None
         phase = str(rec.get("phase") or "training")
         now = time.monotonic()
-        if self._rate_origin is None or self._rate_phase != phase:
-            self._rate_origin, self._rate_phase = (now, step), phase
-        t0, s0 = self._rate_origin
+        if self._rate_phase != phase:
+            self._rate, self._rate_phase = RateHistory(), phase
+        self._rate.add(now, step)
         remaining = None
         own = rec.get(REGEN_SECONDS_REMAINING) if phase == "regenerating" else None
         if isinstance(own, int | float) and not isinstance(own, bool):
             remaining = round(float(own), 1)
-        elif total is not None and step > s0 and now > t0:
-            remaining = round((total - step) * (now - t0) / (step - s0), 1)
+        elif total is not None and phase != "regenerating":
+            eta = self._rate.eta(total, now=now)
+            remaining = None if eta is None else round(eta, 1)
         return {
             "phase": phase, "step": step, "total_steps": total, "epoch": rec.get("epoch"),
             "percent": round(100.0 * step / total, 2) if total else None,

@@ -34,8 +34,10 @@ Rules, per conversation (`ConversationRun`):
 
 Cache (`peagle.data.regenerate_cache`): every finished conversation is appended (locked, fsynced) to the
 shared folder under its content key; cached ones are not generated again, and the engine is opened
-(`open_backend`) only when something is left to generate. Progress (done/total, tokens/s, ETA) goes to the
-sink as a `progress` event with ``phase: regenerating`` and a log line, at most every `PROGRESS_EVERY_S`.
+(`open_backend`) only when something is left to generate. Progress (`peagle.data.regen_progress`: the
+conversations left to generate, tokens/s as answers come back, a smoothed ETA; cached ones are done at once)
+goes to the sink as a `progress` event with ``phase: regenerating`` and a log line, at most every
+`PROGRESS_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -213,17 +215,22 @@ class RegenResult:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-def _run_lockstep(runs: list[ConversationRun], backend: Any, width: int, done: Callable[[ConversationRun], None]
-                  ) -> None:
-    """Batches of `width` conversations, advanced together one turn per `backend.generate` call."""
+def _run_lockstep(runs: list[ConversationRun], backend: Any, width: int, done: Callable[[ConversationRun], None],
+                  progress: RegenProgress | None = None) -> None:
+    """Batches of `width` conversations, advanced together one turn per `backend.generate` call; `progress`
+    counts every answer."""
     for b in range(0, len(runs), width):
         live = runs[b : b + width]
         while live:
             answers = backend.generate([r.pending for r in live])
             for run, ans in zip(live, answers, strict=True):
                 run.accept(ans)
+                if progress is not None:
+                    progress.answered(ans.num_tokens)
                 if run.next_request() is None:
                     done(run)
+            if progress is not None:
+                progress.tick()
             live = [r for r in live if r.pending is not None]
 
 
@@ -240,9 +247,10 @@ async def _run_concurrent(runs: list[ConversationRun], backend: Any, width: int,
         try:
             for run in queue:  # one iterator shared by the workers (one thread: no two take the same run)
                 while run.pending is not None:
-                    run.accept(await backend.agenerate(run.pending))
+                    ans = await backend.agenerate(run.pending)
+                    run.accept(ans)
                     if progress is not None:
-                        progress.answered()
+                        progress.answered(ans.num_tokens)
                     run.next_request()
                 done(run)
         finally:
@@ -329,28 +337,25 @@ def regenerate_conversations(
                 records[key] = run.record()
             else:
                 todo.append(run)
-        progress = RegenProgress(sink, len(conversations), len(conversations) - len(todo), progress_every_s, clock)
+        progress = RegenProgress(sink, len(conversations), todo, progress_every_s, clock)
 
         def done(run: ConversationRun) -> None:
             rec = run.record()
             cache.append(rec)
             records[run.key] = rec
-            progress.add(run.tokens)
+            progress.add(run)
 
         gen_s = 0.0
+        progress.begin(settings.engine)  # at once: starting an engine takes from seconds to minutes
         if todo:
-            if sink is not None:  # at once: starting an engine takes from seconds to minutes
-                sink.log("info", f"regenerating {len(todo)} conversations ({len(conversations) - len(todo)} of "
-                                 f"{len(conversations)} from the cache): starting the {settings.engine} engine")
             with open_backend() as backend:
-                progress.start()
-                progress.emit(clock())  # 0 done: the engine is up (a bar appears; the log says so)
+                progress.start()  # 0 done: the engine is up (a bar appears; the log says so)
                 t_gen = clock()
                 width = max(1, settings.batch_size)
                 if getattr(backend, "concurrent", False):
                     run_sync(_run_concurrent(todo, backend, width, done, progress))
                 else:
-                    _run_lockstep(todo, backend, width, done)
+                    _run_lockstep(todo, backend, width, done, progress)
                 gen_s = clock() - t_gen
         path = str(cache.path)
 

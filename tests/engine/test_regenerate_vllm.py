@@ -238,9 +238,11 @@ def test_a_killed_job_resumes_to_the_same_answers_and_a_second_job_starts_no_eng
     assert rep["cached"] == done_before and rep["generated"] == n - done_before and rep["kept"] == n
     assert ("phase", {"phase": "regenerating", "message": f"regenerating the answers of {n} conversations "
                       "with the target (vllm)"}) in sink.events
-    progress = [f for k, f in sink.events if k == "progress"]
-    assert progress and progress[-1]["step"] == progress[-1]["total_steps"] == n
-    assert any(line.startswith(f"regenerating {n}/{n} conversations") for line in sink.logs)
+    progress = [f for k, f in sink.events if k == "progress"]  # over what is left; the cached are done at once
+    left = n - done_before
+    assert progress and progress[-1]["step"] == progress[-1]["total_steps"] == left
+    assert progress[0]["regen_conversations"] == done_before and progress[-1]["regen_conversations"] == n
+    assert any(line.startswith(f"regenerating {left}/{left} conversations") for line in sink.logs)
 
     # 3. the same answers as an uninterrupted run (the shared engine, an empty cache)
     plan = regeneration_plan(spec, smollm2_tokenizer, tmp_path, regen_engine=cfg)

@@ -31,7 +31,7 @@ def test_non_finite_al_is_not_a_headline() -> None:
 
 def test_the_training_eta_is_not_measured_from_the_regeneration(monkeypatch) -> None:
     """Regeneration reports conversations with its own estimate; training's rate starts when training does."""
-    clock = iter([0.0, 500.0, 600.0, 610.0])
+    clock = iter([0.0, 500.0, 600.0, 610.0, 620.0, 630.0])
     monkeypatch.setattr("worker.progress.time.monotonic", lambda: next(clock))
     c = ProgressCollector()
     c.add({"type": "event", "kind": "progress", "phase": "regenerating", "step": 10, "total_steps": 640,
@@ -42,6 +42,23 @@ def test_the_training_eta_is_not_measured_from_the_regeneration(monkeypatch) -> 
            "regen_seconds_remaining": 0.0})
     c.add({"type": "event", "kind": "progress", "step": 1, "total_steps": 240})  # training starts at t=600
     assert c.take().progress["seconds_remaining"] is None  # no rate yet: not 500 s per conversation
-    c.add({"type": "event", "kind": "progress", "step": 2, "total_steps": 240})  # 10 s per step
+    for step in (2, 3, 4):  # 10 s per step; the smoothed ETA needs 3 steps past the first
+        c.add({"type": "event", "kind": "progress", "step": step, "total_steps": 240})
     p = c.take().progress
-    assert p["phase"] == "training" and p["seconds_remaining"] == 2380.0
+    assert p["phase"] == "training" and p["seconds_remaining"] == 2360.0
+
+
+def test_the_training_eta_is_the_smoothed_one(monkeypatch) -> None:
+    """Issue 39: the job's time left (what the dashboard shows) is `smoothed_eta`, as in the step lines
+    (tests/unit/foundation/test_eta.py holds its band tests)."""
+    from peagle.progress import smoothed_eta
+
+    times = [float(t) for t in range(1, 101)] + [400.0 + t for t in range(1, 11)]
+    clock = iter(times)
+    monkeypatch.setattr("worker.progress.time.monotonic", lambda: next(clock))
+    c = ProgressCollector()
+    for step in range(1, 111):
+        c.add({"type": "event", "kind": "progress", "step": step, "total_steps": 1000})
+    left = c.take().progress["seconds_remaining"]
+    assert left == round(smoothed_eta(list(zip(times, map(float, range(1, 111)), strict=True)), 1000.0) or 0, 1)
+    assert 890 < left < 890 * 6  # a 5-minute evaluation 10 s ago weighs, as it will again
