@@ -62,6 +62,7 @@ function renderHead() {
           h("span", {}, "attempt ", h("b", {}, String(j.attempt ?? 0))),
           h("span", {}, p.phase === "regenerating" ? "regenerated " : "step ",
             h("b", {}, p.total_steps ? `${p.step ?? 0} / ${p.total_steps}` : "—")),
+          j.parent ? h("span", { id: "parent" }, "warm start from ", parentLink(j.parent)) : null,
           h("span", { title: fmtTime(j.created_at) }, "created ", h("b", {}, fmtAgo(j.created_at))),
           j.started_at ? h("span", {}, "started ", h("b", {}, fmtTime(j.started_at))) : null,
           j.finished_at ? h("span", {}, "finished ", h("b", {}, fmtTime(j.finished_at))) : null,
@@ -69,6 +70,15 @@ function renderHead() {
         progressBar(j.progress, j.status)),
       err));
   document.title = `${j.name || j.id} · P-EAGLE`;
+}
+
+// The source of a warm start (`parent`: draft.init_from): a link to the parent job's page, or the upload's id.
+function parentLink(p) {
+  if (p.kind === "job") {
+    const label = p.step == null ? `${p.id} (best)` : `${p.id} @ step ${p.step}`;
+    return h("a", { class: "mono", href: `/job.html?id=${encodeURIComponent(p.id)}`, title: "The parent job" }, label);
+  }
+  return h("b", { class: "mono", title: "An uploaded draft (GET /v1/drafts/<id>)" }, `draft ${p.id}`);
 }
 
 async function act_(act, text, question) {
