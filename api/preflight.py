@@ -8,7 +8,10 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
   - an uploaded dataset that is not `ready`: `invalid` (the message carries the dataset's own error, from
     its public report) or still `validating` (submit again once it is `ready`: the upload answers only
     after validation, so this is rare);
-  - a `ready` dataset without a usable row, or whose `skip` skips every row;
+  - a `ready` dataset without a usable row, or whose `skip` skips every row. A data source's prompts-only
+    rows (no answer, a user turn last: its report's `prompts_only`) count as usable only when
+    `data.regenerate.enabled` resolves to true (the target writes their answers); without it, a dataset of
+    nothing but them is refused with the reason (`N of M rows end with a user turn ...`);
   - a `target.model` folder under the operator's model roots that does not exist or holds no
     `config.json`;
   - a hub id `target.model` that is not in the hub cache and the hub cannot be reached, or says it has no
@@ -18,11 +21,7 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
   - `vllm` asked for (`resources.target_engine`, `data.regenerate.engine`, `eval.engine`) where the
     workers have no vLLM engine (`Settings.vllm_available`);
   - no live worker consumes the job's queue (`/queue`), or none of them has `resources.gpus` GPUs
-    (`service.db.workers`, as `Settings.worker_check` says);
-  - a warm start (`draft.init_from`) whose source does not fit: the owner's job not succeeded, its checkpoint
-    gone, an upload not `ready`, or a draft whose hidden size, layers, aux layer ids, vocabulary or mask token
-    differ from this job's (`peagle.spec.init_from`, from the source's config.json). Another owner's job or
-    upload, or a local folder, is an access problem.
+    (`service.db.workers`, as `Settings.worker_check` says).
 
   Create and clone answer 422 `spec_invalid` and queue nothing; the dry run answers 200 with
   `valid: false` and the same `problems` (and still its estimate).
@@ -42,18 +41,15 @@ from api.access import access_problems, under_model_roots
 from api.dataset_checks import public_report
 from api.errors import ApiError
 from api.target_checks import HubProbe, context_problem, local_config
-from peagle.fileio import read_json
 from peagle.spec import TrainSpec
-from peagle.spec.init_from import init_from_problems, parse_init_from
 from peagle.spec.targets import is_hub_id
 from service.channels import dataset_id
-from service.db.init_from import init_source
 from service.db.models import Dataset
 from service.db.workers import worker_problems
 
 __all__ = ["Preflight", "WorkerCheck", "preflight"]
 
-_SECTIONS = {"target": 0, "data": 1, "draft": 2, "eval": 3, "resources": 4, "queue": 5}
+_SECTIONS = {"target": 0, "data": 1, "eval": 2, "resources": 3, "queue": 4}
 
 
 @dataclass
@@ -96,16 +92,25 @@ def _target_problems(spec: TrainSpec, roots: Sequence[Path], hub: HubProbe | Non
     return [{"param": "/data/max_length", "message": too_long}] if too_long is not None else []
 
 
-def _dataset_problem(ds: Dataset, skip: int) -> str | None:
+def _dataset_problem(ds: Dataset, skip: int, *, regenerate: bool = False) -> str | None:
+    """Why `ds` cannot feed the job, or None; with `regenerate` its prompts-only rows are usable."""
     ref = f"dataset {ds.id}"
     if ds.status == "validating":
         return f"{ref} is still being validated; submit again once GET /v1/datasets/{ds.id} shows status 'ready'"
     if ds.status != "ready":
         error = public_report(ds).get("error") or f"see GET /v1/datasets/{ds.id}"
         return f"{ref} is {ds.status}: {error}"
-    kept = (ds.report or {}).get("rows_kept")
+    report = ds.report or {}
+    kept, prompts = report.get("rows_kept"), report.get("prompts_only")
     if not isinstance(kept, int) or isinstance(kept, bool):
         return None  # no count in the report: the trainer checks
+    prompts = prompts if isinstance(prompts, int) and not isinstance(prompts, bool) else 0
+    if regenerate:
+        kept += prompts
+    if kept <= 0 and prompts > 0:
+        read = report.get("rows_read", prompts)
+        return (f"{ref}: {prompts} of {read} rows end with a user turn and have no answer to train on; turn on "
+                "data.regenerate.enabled so the target writes them")
     if kept <= 0:
         return f"{ref} has no usable row"
     if kept - skip <= 0:
@@ -124,26 +129,6 @@ def _engine_problems(spec: TrainSpec, vllm_available: bool) -> list[dict[str, st
     return [{"param": param, "message": f"'vllm' {why}"} for param, value in asks if value == "vllm"]
 
 
-def _init_from_problems(session: Session, owner_id: int, spec: TrainSpec, artifact_root: Path | None
-                        ) -> tuple[list[dict[str, str]], bool]:
-    """(problems, forbidden) of `draft.init_from`: its source for this owner, then whether it fits."""
-    value = spec.draft.init_from
-    if value is None:
-        return [], False
-    found = init_source(session, owner_id, value, artifact_root=artifact_root)
-    if found.export_dir is None:
-        return [{"param": "/draft/init_from", "message": str(found.problem)}], found.forbidden
-    cfg = read_json(found.export_dir / "config.json")
-    if cfg is None:
-        return [{"param": "/draft/init_from", "message": f"the config.json of {value} is unreadable"}], False
-    target = local_config(spec.target.model, spec.target.revision)
-    ref = parse_init_from(value)
-    source = f"uploaded draft {ref.ref}" if ref.kind == "draft" else \
-        f"job {ref.ref}'s draft" + (f" (step {ref.step})" if ref.step is not None else "")
-    return [{"param": "/draft/init_from", "message": m}
-            for m in init_from_problems(cfg, spec, target, source=source)], False
-
-
 @dataclass(frozen=True)
 class WorkerCheck:
     """Which workers must be able to take the job: its queue, `Settings.worker_check`, heartbeat age."""
@@ -154,16 +139,12 @@ class WorkerCheck:
 
 
 def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path], *,
-              vllm_available: bool = True, hub: HubProbe | None = None, workers: WorkerCheck | None = None,
-              artifact_root: Path | None = None) -> Preflight:
+              vllm_available: bool = True, hub: HubProbe | None = None, workers: WorkerCheck | None = None
+              ) -> Preflight:
     """Every problem of `spec` knowable before queueing, for this owner (module docstring); `hub` None
-    leaves hub ids to the worker, `workers` None does not look at the workers; `artifact_root` is where a
-    job's relative `artifact_dir` lives (the worker writes absolute ones)."""
+    leaves hub ids to the worker, `workers` None does not look at the workers."""
     out = Preflight(problems=access_problems(spec, model_roots))
     out.forbidden = bool(out.problems)
-    warm, warm_forbidden = _init_from_problems(session, owner_id, spec, artifact_root)
-    out.problems += warm
-    out.forbidden = out.forbidden or warm_forbidden
     out.problems += _target_problems(spec, model_roots, hub)
     if workers is not None:
         out.problems += worker_problems(session, queue=workers.queue, gpus=spec.resources.gpus,
@@ -173,6 +154,8 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
     named = [(f"/data/sources/{i}/path", src.path, src.skip, True) for i, src in enumerate(spec.data.sources)]
     named += [(f"/eval/prompt_sets/{i}/name", ps.name, 0, False) for i, ps in enumerate(spec.eval.prompt_sets)]
     ids = {ds_id for _, ref, _, _ in named if (ds_id := dataset_id(ref)) is not None}
+    regenerate = bool(ids) and spec.resolve(cuda_available=spec.resources.gpus > 0, vllm_available=vllm_available
+                                            ).data.regenerate.enabled is True
     owned = {ds.id: ds for ds in session.scalars(
         sa.select(Dataset).where(Dataset.id.in_(ids), Dataset.owner_id == owner_id))} if ids else {}
     for param, ref, skip, is_source in named:
@@ -186,7 +169,7 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
             continue
         if is_source:  # the data funnel of the estimate reads the sources' reports
             out.reports[ref] = ds.report or {}
-        problem = _dataset_problem(ds, skip)
+        problem = _dataset_problem(ds, skip, regenerate=regenerate and is_source)
         if problem is not None:
             out.problems.append({"param": param, "message": problem})
     out.problems.sort(key=_order)
