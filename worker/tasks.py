@@ -66,7 +66,7 @@ def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) 
             publisher.publish_status(job_id, states.RUNNING)
         supervisor = Supervisor(settings, factory, lease, send_task=_sender(settings), publisher=publisher)
         try:
-            return supervisor.run()
+            status = supervisor.run()
         except Exception as exc:
             log.exception("job %s: supervisor failed", job_id)
             with session_scope(factory) as s:
@@ -75,10 +75,23 @@ def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) 
                 finish(s, lease, status=states.FAILED, error_code="worker_error", error_message=shown,
                        retryable=True, event=("error", shown))
             return states.FAILED
+        if status == states.SUCCEEDED:
+            _promotion(settings, factory, job_id)
+        return status
     finally:
         if publisher is not None:
             publisher.close()
         engine.dispose()
+
+
+def _promotion(settings: Settings, factory: Any, job_id: str) -> None:
+    """A retrain child's promotion (`worker.promotion.after_success`); a failure there leaves the job as it is."""
+    from worker.promotion import after_success
+
+    try:
+        after_success(settings, factory, job_id)
+    except Exception:  # the job has succeeded: a failed promotion must not turn it into an error
+        log.exception("job %s: promotion decision failed", job_id)
 
 
 def register_tasks(app: Any, settings: Settings) -> Any:
