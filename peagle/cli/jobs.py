@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import queue
 import shlex
+import threading
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from peagle.client import PeagleClient, ServiceError
+from peagle.client import JobDict, PeagleClient, ServiceError, StreamKind
+from peagle.progress import format_duration
 
 jobs_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Submit and follow jobs on a peagle service.")
 
@@ -100,6 +105,99 @@ def cancel(job_id: str, url: str = _URL, api_key: str | None = _KEY) -> None:
             _fail(exc)
 
 
+def _log_line(rec: dict[str, Any]) -> str:
+    return f"{rec['time']} {rec['level']:<7} {rec['message']}"
+
+
+def _phase_text(rec: dict[str, Any]) -> str:
+    """A `phase` event as the trainer's job log words it (`peagle.progress.ProgressLog`)."""
+    message = rec.get("message") or ""
+    default = f"phase: {rec.get('phase')}"  # the worker's message when the trainer gave none
+    return f"phase {rec.get('phase')}" + (f": {message}" if message and message != default else "")
+
+
+def _event_line(rec: dict[str, Any]) -> str:
+    if rec.get("kind") == "phase":
+        return f"{rec['time']} {'info':<7} {_phase_text(rec)}"
+    return f"{rec['time']} {'event':<7} {rec.get('kind')}: {rec.get('message') or ''}"
+
+
+def _status_line(job: JobDict, phase_event: dict[str, Any] | None) -> str:
+    """Where the job is now: status, phase (since when, and what it does) and progress with the time left."""
+    text = f"job {job.get('id')}: {job.get('status')}"
+    phase = job.get("phase")
+    if phase:
+        text += f", phase {phase}"
+        if phase_event is not None and phase_event.get("phase") == phase:
+            text += f" since {phase_event['time']}"
+            message = phase_event.get("message") or ""
+            if message and message != f"phase: {phase}":
+                text += f" ({message})"
+    p = job.get("progress") or {}
+    step, total = p.get("step"), p.get("total_steps")
+    if isinstance(step, int) and isinstance(total, int) and total > 0:
+        unit = "conversations regenerated" if p.get("phase") == "regenerating" else "steps"
+        text += f"; {step}/{total} {unit} ({100 * step // total}%)"
+        left = p.get("seconds_remaining")
+        if isinstance(left, int | float) and job.get("status") == "running":
+            text += f", eta {format_duration(left)}"
+    return text
+
+
+def _events_so_far(c: PeagleClient, job_id: str) -> tuple[int, dict[str, Any] | None]:
+    """The job's last event seq and its latest `phase` event."""
+    after, phase = 0, None
+    while True:
+        page = c.page(job_id, "events", after=after, limit=1000)
+        for rec in page["data"]:
+            if rec.get("kind") == "phase":
+                phase = rec
+        if page["next_after"] is not None:
+            after = int(page["next_after"])
+        if not page.get("has_more"):
+            return after, phase
+
+
+def _follow(url: str, key: str | None, job_id: str, after: dict[StreamKind, int]) -> Iterator[str]:
+    """The job's log lines and events (a phase once, whichever stream brings it first) as they come, until
+    the job ends. Each stream is read by its own thread and client (SSE, reconnecting)."""
+    q: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+    def pump(kind: StreamKind) -> None:
+        try:
+            with _client(url, key) as c:
+                for rec in c.stream(job_id, kind, after=after[kind]):
+                    q.put((kind, rec))
+        except Exception as exc:  # noqa: BLE001 - raised again in the main thread
+            q.put(("error", exc))
+        q.put(("end", kind))
+
+    for stream in after:
+        threading.Thread(target=pump, args=(stream,), daemon=True, name=f"peagle-follow-{stream}").start()
+    running = len(after)
+    shown: dict[str, Counter[str]] = {"logs": Counter(), "events": Counter()}  # phase lines one stream showed
+    while running:
+        try:
+            kind, item = q.get(timeout=0.5)  # a timeout keeps Ctrl-C working
+        except queue.Empty:
+            continue
+        if kind == "end":
+            running -= 1
+        elif kind == "error":
+            raise item
+        elif kind == "events" and item.get("kind") == "progress":
+            continue
+        else:
+            text = item["message"] if kind == "logs" else _phase_text(item) if item.get("kind") == "phase" else None
+            other = "events" if kind == "logs" else "logs"
+            if text is not None and text.startswith("phase "):
+                if shown[other][text]:  # the other stream already showed this phase change
+                    shown[other][text] -= 1
+                    continue
+                shown[kind][text] += 1
+            yield _log_line(item) if kind == "logs" else _event_line(item)
+
+
 @jobs_app.command("logs")
 def logs(
     job_id: str,
@@ -108,16 +206,21 @@ def logs(
     url: str = _URL,
     api_key: str | None = _KEY,
 ) -> None:
-    """Print log lines (`--follow` streams them live over SSE)."""
+    """Print log lines. `--follow` first says where the job is (status, phase, progress), then streams its
+    log lines and events (phase changes, checkpoints, evaluations, attempts) live over SSE until it ends."""
     with _client(url, api_key) as c:
         try:
+            if follow:
+                events_after, phase = _events_so_far(c, job_id)
+                typer.echo(_status_line(c.get_job(job_id), phase))
             page = c.page(job_id, "logs", tail=tail)
             for rec in page["data"]:
-                typer.echo(f"{rec['time']} {rec['level']:<7} {rec['message']}")
+                typer.echo(_log_line(rec))
             if follow:
-                after = int(page["next_after"] or 0)
-                for rec in c.stream(job_id, "logs", after=after):
-                    typer.echo(f"{rec['time']} {rec['level']:<7} {rec['message']}")
+                cursors: dict[StreamKind, int] = {"logs": int(page["next_after"] or 0), "events": events_after}
+                for line in _follow(url, api_key, job_id, cursors):
+                    typer.echo(line)
+                typer.echo(_status_line(c.get_job(job_id), None))
         except ServiceError as exc:
             _fail(exc)
 

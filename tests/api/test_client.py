@@ -43,7 +43,9 @@ def test_client_and_cli(settings_factory: Any, sim: Any, live_server: Any, tmp_p
         runner = CliRunner()
         r = runner.invoke(cli_app, ["jobs", "logs", jid, "--follow"], env=env)
         assert r.exit_code == 0, r.output
-        assert [ln.split()[-1] for ln in r.output.splitlines()] == ["1", "2", "3"]
+        lines = r.output.splitlines()  # where the job is first and last (tests/api/test_jobs_follow.py)
+        assert lines[0].startswith(f"job {jid}: running") and lines[-1].startswith(f"job {jid}: succeeded")
+        assert [ln.split()[-1] for ln in lines[1:-1]] == ["1", "2", "3"]
         r = runner.invoke(cli_app, ["jobs", "list"], env=env)
         assert jid in r.output and "succeeded" in r.output
         assert json.loads(runner.invoke(cli_app, ["jobs", "get", jid], env=env).output)["id"] == jid
