@@ -123,6 +123,30 @@ class PeagleClient:
     def clone(self, job_id: str, overrides: dict[str, Any] | None = None) -> JobDict:
         return self._req("POST", f"/v1/jobs/{job_id}/clone", json={"overrides": overrides or {}})
 
+    def retrain(self, job_id: str, *, datasets: list[str] | None = None, sources: list[dict[str, Any]] | None = None,
+                **body: Any) -> JobDict:
+        """`POST /v1/jobs/{id}/retrain`: the child job (`body`: overrides, checkpoint_step,
+        promotion_batch_sizes, name, tags; docs/retrain.md)."""
+        payload = {"datasets": datasets or [], "sources": sources or [],
+                   **{k: v for k, v in body.items() if v is not None}}
+        return self._req("POST", f"/v1/jobs/{job_id}/retrain", json=payload)
+
+    def promotion(self, what: Literal["current", "decisions"], **params: Any) -> list[dict[str, Any]]:
+        """The current drafts or the promotion decisions (`target`, `job_id` filters)."""
+        page = self._req("GET", f"/v1/promotion/{what}", params={k: v for k, v in params.items() if v is not None})
+        return list(page["data"])
+
+    def promote(self, job_id: str, checkpoint_step: int | None = None) -> dict[str, Any]:
+        """Force `job_id` to be the current draft of its target."""
+        body: dict[str, Any] = {"job_id": job_id}
+        if checkpoint_step is not None:
+            body["checkpoint_step"] = checkpoint_step
+        return self._req("POST", "/v1/promotion/promote", json=body)
+
+    def undo_promotion(self, target: str) -> dict[str, Any]:
+        """The current draft of `target` goes back to the one before."""
+        return self._req("POST", "/v1/promotion/undo", json={"target": target})
+
     def page(self, job_id: str, kind: StreamKind, **params: Any) -> dict[str, Any]:
         """One page of events/metrics/logs (`after`, `limit`, metric `keys`/`max_points`, log `tail`)."""
         return self._req("GET", f"/v1/jobs/{job_id}/{kind}", params={k: v for k, v in params.items() if v is not None})

@@ -39,6 +39,9 @@ cli_run.register(app)
 from peagle.cli.jobs import jobs_app  # noqa: E402 - `peagle jobs ...` against a running service
 
 app.add_typer(jobs_app, name="jobs")
+from peagle.cli import retrain as cli_retrain  # noqa: E402 - `peagle jobs retrain`, `peagle promotion ...`
+
+cli_retrain.register(app, jobs_app)
 
 
 def main() -> None:
