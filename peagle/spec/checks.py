@@ -189,6 +189,7 @@ def _engine_problems(spec: TrainSpec) -> list[SpecProblem]:
                                 "'vllm' never does: use 'vllm' or 'auto' (AL measured by vLLM itself)")
     if r.target_engine == "hf" and spec.data.regenerate.engine == "vllm":
         bad(("data", "regenerate", "engine"), "'vllm' needs resources.target_engine 'vllm' or 'auto'")
+    out.extend(_split_problems(spec))
     if r.gpus == 0:
         for name in ("capture_gpus", "train_gpus"):
             if getattr(r, name):
@@ -272,3 +273,41 @@ def _value_ok(kind: str, value: str) -> bool:
 
 def _value_problem(flag: str, kind: str, value: str) -> str:
     return f"{flag} takes {_VALUE_PATTERNS[kind][1]}, got {value!r}"
+
+
+def _split_problems(spec: TrainSpec) -> list[SpecProblem]:
+    """Rules of a job split over engine workers (`resources.engine`, `resources.trainer`)."""
+    r, e, t = spec.resources, spec.resources.engine, spec.resources.trainer
+    out: list[SpecProblem] = []
+    if e is None:
+        if t is not None:
+            out.append(SpecProblem(loc=("resources", "trainer"), message="needs resources.engine (the trainer is "
+                                   "placed apart only when the engine runs on engine workers)"))
+        return out
+
+    def bad(loc: tuple[str | int, ...], msg: str) -> None:
+        out.append(SpecProblem(loc=loc, message=msg))
+
+    if r.target_engine == "hf":
+        bad(("resources", "engine"), "engine workers run the target in vLLM: needs resources.target_engine "
+                                     "'vllm' or 'auto'")
+    if spec.eval.engine == "reference":
+        bad(("eval", "engine"), "'reference' runs the target in the trainer process; with resources.engine the "
+                                "target runs on engine workers: use 'vllm' or 'auto'")
+    if r.capture != "online":
+        bad(("resources", "capture"), "must be 'online' with resources.engine (the engine workers stream "
+                                      "micro-batches to the trainer within resources.feature_disk_gb)")
+    if e.gpus > 0 and r.device == "cpu":
+        bad(("resources", "engine", "gpus"), "must be 0 when resources.device is 'cpu'")
+    if t is not None and t.gpus and r.device == "cpu":
+        bad(("resources", "trainer", "gpus"), "must be 0 when resources.device is 'cpu'")
+    if r.capture_gpus:
+        bad(("resources", "capture_gpus"), "must be unset with resources.engine (use resources.engine.gpus)")
+    v = r.vllm
+    if v.data_parallel_size > 1:
+        bad(("resources", "vllm", "data_parallel_size"), "must be 1 with resources.engine (use "
+                                                         "resources.engine.replicas)")
+    if v.tensor_parallel_size > 1 and v.tensor_parallel_size != max(e.gpus, 1):
+        bad(("resources", "vllm", "tensor_parallel_size"),
+            f"must equal resources.engine.gpus ({e.gpus}) or be 1 (the replica's GPUs set it)")
+    return out

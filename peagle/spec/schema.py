@@ -465,6 +465,33 @@ class VllmSpec(_Strict):
     )
 
 
+_QUEUE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class EngineResources(_Strict):
+    """The target's engine as Celery tasks on engine workers (a job across machines, docs/service.md)."""
+
+    gpus: int = Field(
+        default=0, ge=0, le=64,
+        description="GPUs per engine replica, its tensor parallel size (0 = a CPU engine; > 0 needs resources.device "
+        "'cuda').",
+    )
+    replicas: int = Field(default=1, ge=1, le=64, description="The most engine chunk tasks of this job at once.")
+    queue: str | None = Field(
+        default=None, pattern=_QUEUE_NAME,
+        description="Celery queue of the engine chunks; None = `engine-<the job's queue>`.",
+    )
+
+
+class TrainerResources(_Strict):
+    """The trainer of a job whose engine runs on engine workers (`resources.engine`)."""
+
+    gpus: int | None = Field(
+        default=None, ge=0, le=64, description="GPUs of the trainer on its machine (torchrun); None = resources.gpus."
+    )
+    queue: str | None = Field(default=None, pattern=_QUEUE_NAME, description="Celery queue; None = the job's queue.")
+
+
 class ResourceSpec(_Strict):
     """Hardware and placement."""
 
@@ -503,6 +530,14 @@ class ResourceSpec(_Strict):
         default="auto", description="auto = bf16 autocast on CUDA (fp32 master weights), fp32 on CPU."
     )
     max_restarts: int = Field(default=2, ge=0, le=100, description="Automatic resumes after a crash.")
+    engine: EngineResources | None = Field(
+        default=None,
+        description="Run regeneration and capture as chunk tasks on engine workers (any number of machines sharing "
+        "the artifact volume), streamed to the trainer; None = the whole job in one worker.",
+    )
+    trainer: TrainerResources | None = Field(
+        default=None, description="Where the trainer of a `resources.engine` job runs (needs resources.engine)."
+    )
 
 
 class TrainSpec(_Strict):
