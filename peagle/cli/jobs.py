@@ -6,7 +6,6 @@ import json
 import queue
 import shlex
 import threading
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,20 +104,17 @@ def cancel(job_id: str, url: str = _URL, api_key: str | None = _KEY) -> None:
             _fail(exc)
 
 
+#: Events `--follow` does not show: a phase change is already a log line (`phase training: ...`, written by
+#: the trainer's `peagle.progress.ProgressLog` in the same batch, so in order with the other lines), and
+#: progress only updates the job row.
+_EVENTS_IN_THE_LOG = frozenset({"phase", "progress"})
+
+
 def _log_line(rec: dict[str, Any]) -> str:
     return f"{rec['time']} {rec['level']:<7} {rec['message']}"
 
 
-def _phase_text(rec: dict[str, Any]) -> str:
-    """A `phase` event as the trainer's job log words it (`peagle.progress.ProgressLog`)."""
-    message = rec.get("message") or ""
-    default = f"phase: {rec.get('phase')}"  # the worker's message when the trainer gave none
-    return f"phase {rec.get('phase')}" + (f": {message}" if message and message != default else "")
-
-
 def _event_line(rec: dict[str, Any]) -> str:
-    if rec.get("kind") == "phase":
-        return f"{rec['time']} {'info':<7} {_phase_text(rec)}"
     return f"{rec['time']} {'event':<7} {rec.get('kind')}: {rec.get('message') or ''}"
 
 
@@ -159,8 +155,8 @@ def _events_so_far(c: PeagleClient, job_id: str) -> tuple[int, dict[str, Any] | 
 
 
 def _follow(url: str, key: str | None, job_id: str, after: dict[StreamKind, int]) -> Iterator[str]:
-    """The job's log lines and events (a phase once, whichever stream brings it first) as they come, until
-    the job ends. Each stream is read by its own thread and client (SSE, reconnecting)."""
+    """The job's log lines and its events (but `_EVENTS_IN_THE_LOG`) as they come, until the job ends.
+    Each stream is read by its own thread and client (SSE, reconnecting)."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue()
 
     def pump(kind: StreamKind) -> None:
@@ -175,7 +171,6 @@ def _follow(url: str, key: str | None, job_id: str, after: dict[StreamKind, int]
     for stream in after:
         threading.Thread(target=pump, args=(stream,), daemon=True, name=f"peagle-follow-{stream}").start()
     running = len(after)
-    shown: dict[str, Counter[str]] = {"logs": Counter(), "events": Counter()}  # phase lines one stream showed
     while running:
         try:
             kind, item = q.get(timeout=0.5)  # a timeout keeps Ctrl-C working
@@ -185,17 +180,10 @@ def _follow(url: str, key: str | None, job_id: str, after: dict[StreamKind, int]
             running -= 1
         elif kind == "error":
             raise item
-        elif kind == "events" and item.get("kind") == "progress":
-            continue
-        else:
-            text = item["message"] if kind == "logs" else _phase_text(item) if item.get("kind") == "phase" else None
-            other = "events" if kind == "logs" else "logs"
-            if text is not None and text.startswith("phase "):
-                if shown[other][text]:  # the other stream already showed this phase change
-                    shown[other][text] -= 1
-                    continue
-                shown[kind][text] += 1
-            yield _log_line(item) if kind == "logs" else _event_line(item)
+        elif kind == "logs":
+            yield _log_line(item)
+        elif item.get("kind") not in _EVENTS_IN_THE_LOG:
+            yield _event_line(item)
 
 
 @jobs_app.command("logs")
@@ -207,7 +195,8 @@ def logs(
     api_key: str | None = _KEY,
 ) -> None:
     """Print log lines. `--follow` first says where the job is (status, phase, progress), then streams its
-    log lines and events (phase changes, checkpoints, evaluations, attempts) live over SSE until it ends."""
+    log lines (phase changes among them) and events (attempts, checkpoints, evaluations, status changes)
+    live over SSE until it ends."""
     with _client(url, api_key) as c:
         try:
             if follow:

@@ -74,7 +74,7 @@ def test_follow_says_status_and_phase_first_and_shows_events(settings_factory: A
     assert lines[0].endswith(f"({regen}); 12/320 conversations regenerated (3%), eta 2h05m"), lines
     assert lines[1].endswith(f"info    phase regenerating: {regen}")
     live = lines[2:]
-    assert sum(ln.endswith("phase training: training 240 steps from step 0") for ln in live) == 1, live  # once
+    assert sum(ln.endswith("phase training: training 240 steps from step 0") for ln in live) == 1, live  # once: the log line
     assert any(ln.endswith("event   checkpoint: checkpoint saved at step 100 (best so far)") for ln in live), live
     assert any(ln.endswith("regenerating 320/320 conversations (100%) tokens/s 21") for ln in live), live
     assert live[-1].startswith(f"job {jid}: succeeded, phase done")  # and, at the end, where it ended
