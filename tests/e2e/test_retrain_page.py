@@ -61,7 +61,9 @@ def test_retrain_force_promote_and_undo_from_the_job_page(page: object, server: 
     engine = make_engine(server.database_url)
     try:
         with session_scope(make_session_factory(engine)) as s:
-            owner = s.get(Job, child).owner_id
+            row = s.get(Job, child)
+            assert row is not None
+            owner = row.owner_id
             rows = [{"batch_size": 1, "child": {"speedup": 1.31, "k": 3}, "current": {"speedup": 1.22, "k": 3}},
                     {"batch_size": 8, "child": {"speedup": 0.97, "k": 2}, "current": {"speedup": 1.01, "k": 3}}]
             promotion.record_decision(s, owner_id=owner, target="builtin:tiny-llama", job_id=child,
