@@ -1,4 +1,5 @@
-"""Regeneration through a real vLLM engine (SmolLM2, slow): multi-turn order, on_length, drops, and a job
+"""Regeneration through a real vLLM engine (SmolLM2, slow): multi-turn order, on_length, drops, a prompt
+without an answer answered (issue 38: prompts-only data), and a job
 killed mid-way that resumes to the same answers as an uninterrupted run, then a second job that starts no engine.
 
 Three engine starts in all (about 40 s each): one fp32 engine shared by this module's tests, the killed
@@ -30,7 +31,7 @@ from peagle.data.regenerate_cache import REGEN_CACHE_ENV
 from peagle.data.regenerate_engines import TurnRequest, TurnResult, VllmBackend
 from peagle.engine.locate import vllm_python
 from peagle.engine.server import EngineConfig, VllmServer
-from peagle.spec.funnel import NO_ASSISTANT_TURN, REGEN_ANSWER_CUT
+from peagle.spec.funnel import REGEN_ANSWER_CUT
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def test_multi_turn_order_and_the_rules(server, smollm2_tokenizer, tmp_path):
               ("user", "Now summarise it."), ("assistant", "OLD ANSWER")),
         _conv(("system", "You answer briefly."), ("user", "What is 2+2? Answer with one number only."),
               ("assistant", "OLD ANSWER")),
-        _conv(("user", "A question nobody answered.")),
+        _conv(("system", "You answer briefly."), ("user", "What is 3+3? Answer with one number only.")),  # no answer
     ]
     backend = Recording(server, smollm2_tokenizer)
     res = _regen(convs, smollm2_tokenizer, _settings(), backend, tmp_path / "drop")
@@ -112,13 +113,19 @@ def test_multi_turn_order_and_the_rules(server, smollm2_tokenizer, tmp_path):
     assert prompts.index(p1) < prompts.index(p2) and paris[1]["content"] + "<|im_end|>" in p2
     assert "OLD ANSWER" not in "".join(prompts)
     assert res.conversations[2] is not None and res.conversations[2][0]["role"] == "system"
+    # the prompt without an answer: the target's answer appended, asked with the generation prompt
+    answered = res.conversations[3]
+    assert answered is not None and [t["role"] for t in answered] == ["system", "user", "assistant"]
+    assert answered[:2] == convs[3] and answered[2]["content"].strip()
+    (p3,) = [p for p in prompts if "3+3" in p]
+    assert p3.endswith("one number only.<|im_end|>\n<|im_start|>assistant\n")
     # the essay is cut at max_new_tokens: dropped under `drop`, and its second turn never asked
-    assert res.reasons == {1: REGEN_ANSWER_CUT, 3: NO_ASSISTANT_TURN}
+    assert res.reasons == {1: REGEN_ANSWER_CUT} and res.report["answers_appended"] == 1
     assert not any("summarise" in p for p in prompts)
     cut = [r for p, r in backend.asked if "history of Rome" in p]
     assert [(r.finish_reason, r.num_tokens) for r in cut] == [("length", MAX_NEW)]
     assert all(r.finish_reason == "stop" and r.num_tokens < MAX_NEW for p, r in backend.asked if "Rome" not in p)
-    assert res.report["dropped_by_reason"] == {NO_ASSISTANT_TURN: 1, REGEN_ANSWER_CUT: 1}
+    assert res.report["dropped_by_reason"] == {REGEN_ANSWER_CUT: 1}
 
     # `keep`: the cut essay stays and its second turn is generated from the cut answer (one more request
     # for it; the other conversations come from the cache)
@@ -126,8 +133,8 @@ def test_multi_turn_order_and_the_rules(server, smollm2_tokenizer, tmp_path):
     kept = _regen(convs, smollm2_tokenizer, _settings(on_length="keep"), keep_backend, tmp_path / "drop")
     essay = kept.conversations[1]
     assert essay is not None and essay[1]["content"].strip()
-    assert kept.reasons == {3: NO_ASSISTANT_TURN} and kept.report["answers_cut"] >= 1
-    assert kept.report["generated"] == 1 and kept.report["cached"] == 2
+    assert kept.reasons == {} and kept.report["answers_cut"] >= 1
+    assert kept.report["generated"] == 1 and kept.report["cached"] == 3
     (summary_prompt,) = [p for p, _r in keep_backend.asked if "summarise" in p]
     assert essay[1]["content"] + "<|im_end|>" in summary_prompt
 
