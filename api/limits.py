@@ -6,7 +6,8 @@ A request with a body (`Content-Length` above 0, or chunked) is checked before a
   401 (as the route would answer, but before FastAPI reads and parses the body);
 - a body without a length (chunked) is counted while the app reads it and cut at the limit: 413.
 The limit is `Settings.max_request_body_bytes`; a dataset upload (`POST /v1/datasets`) has its own,
-larger one (`Settings.max_upload_bytes` plus the multipart framing), the route checking the file size.
+larger one (`Settings.max_upload_bytes` plus the multipart framing), the route checking the file size, and
+so does a draft upload (`POST /v1/drafts`, `Settings.max_draft_upload_bytes`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from api.auth import authenticate
 from api.errors import ApiError, envelope
 from service.settings import Settings
 
-__all__ = ["MULTIPART_OVERHEAD_BYTES", "PUBLIC_WRITES", "UPLOAD_PATHS", "BodyLimitMiddleware", "body_limit"]
+__all__ = ["DRAFT_UPLOAD", "MULTIPART_OVERHEAD_BYTES", "PUBLIC_WRITES", "UPLOAD_PATHS", "BodyLimitMiddleware", "body_limit"]
 
 #: Room for the multipart framing around an uploaded file (boundaries, part headers, small fields).
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 #: Dataset uploads: the body is the file (`Settings.max_upload_bytes`).
 UPLOAD_PATHS = frozenset({("POST", "/v1/datasets")})
+#: Draft uploads (warm starts): the body is the archive (`Settings.max_draft_upload_bytes`).
+DRAFT_UPLOAD = ("POST", "/v1/drafts")
 #: Requests with a body that carry no credentials by design (sign-in sends the API key in its body).
 PUBLIC_WRITES = frozenset({("POST", "/v1/auth/session")})
 
@@ -34,6 +37,8 @@ def body_limit(settings: Settings, *, method: str, path: str) -> int:
     """The largest body (bytes) a `method` request to `path` may send."""
     if (method, path) in UPLOAD_PATHS:
         return settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES
+    if (method, path) == DRAFT_UPLOAD:
+        return settings.max_draft_upload_bytes + MULTIPART_OVERHEAD_BYTES
     return settings.max_request_body_bytes
 
 

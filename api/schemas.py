@@ -17,6 +17,8 @@ __all__ = [
     "CheckpointEvaluation",
     "CheckpointOut",
     "DatasetOut",
+    "DraftOut",
+    "DraftPage",
     "ErrorBody",
     "ErrorEnvelope",
     "Estimate",
@@ -517,6 +519,26 @@ class DatasetOut(_Out):
 
 class DatasetPage(Page):
     data: list[DatasetOut]
+
+
+class DraftOut(_Out):
+    """An uploaded draft checkpoint (`POST /v1/drafts`): the start of warm-started jobs."""
+
+    id: str
+    object: Literal["draft"] = "draft"
+    filename: str
+    size: int = Field(description="Bytes of the uploaded archive.")
+    sha256: str = Field(description="sha256 of the uploaded archive.")
+    status: str = Field(description="`ready` (the export validator passed it) or `invalid` (see `report.error`).")
+    report: dict[str, Any] = Field(description="`ok`, `errors` and `warnings` of the export validator, `error` "
+                                   "(why it is invalid), and `facts` of a ready draft: hidden_size, vocab_size, "
+                                   "num_layers, aux_layer_ids, draft_vocab_size, mask_token_id.")
+    created_at: datetime
+    init_from: str = Field(description="Use as `draft.init_from` in a spec: `draft:<id>`.")
+
+
+class DraftPage(Page):
+    data: list[DraftOut]
 
 
 class MetaOut(BaseModel):

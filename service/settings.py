@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     webhook_allow_hosts: str = Field(default="", description="Comma-separated host names, IP addresses or CIDR "
                                      "networks webhooks may reach although they are internal (empty: none).")
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1, description="Largest dataset upload.")
+    max_draft_upload_bytes: int = Field(
+        default=2 * 1024**3, ge=1, description="Largest uploaded draft (`POST /v1/drafts`, a tar or zip of an "
+        "export folder for warm starts): the archive, and again the files it unpacks to, in total.")
     max_request_body_bytes: int = Field(
         default=1024 * 1024, ge=1024, description="Largest request body but a dataset upload's: a longer "
         "`Content-Length` is 413 before the body is read, a chunked body is cut at it (413).")
