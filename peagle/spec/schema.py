@@ -220,11 +220,10 @@ class DraftSpec(_Strict):
         default=None,
         min_length=1,
         max_length=1024,
-        description="Warm start: the draft starts from these weights (the optimizer starts fresh): `job:<id>` "
-        "(the owner's earlier job, its best checkpoint), `job:<id>@step_<N>` (its checkpoint of step N), "
-        "`draft:<id>` (an uploaded draft, `POST /v1/drafts`), or a local export folder (CLI only). The job takes "
-        "the source's draft vocabulary and mask token; its hidden size, decoder layers and aux layer ids must "
-        "match (checked before queueing). docs/warm_start.md.",
+        description="Warm start from these weights, optimizer fresh: `job:<id>` (the owner's job, its best "
+        "checkpoint), `job:<id>@step_<N>`, `draft:<id>` (`POST /v1/drafts`) or an export folder (CLI only). "
+        "Takes the source's draft vocabulary and mask token; hidden size, layers and aux layer ids must match "
+        "(docs/warm_start.md).",
     )
 
     @field_validator("init_from")
