@@ -11,7 +11,8 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
   - a `ready` dataset without a usable row, or whose `skip` skips every row. A data source's prompts-only
     rows (no answer, a user turn last: its report's `prompts_only`) count as usable only when
     `data.regenerate.enabled` resolves to true (the target writes their answers); without it, a dataset of
-    nothing but them is refused with the reason (`N of M rows end with a user turn ...`);
+    nothing but them is refused with the reason (`N of M rows end with a user turn ...`). A prompt set
+    (`eval.prompt_sets[].name`) always counts them: a prompt is all it needs;
   - a `target.model` folder under the operator's model roots that does not exist or holds no
     `config.json`;
   - a hub id `target.model` that is not in the hub cache and the hub cannot be reached, or says it has no
@@ -92,8 +93,9 @@ def _target_problems(spec: TrainSpec, roots: Sequence[Path], hub: HubProbe | Non
     return [{"param": "/data/max_length", "message": too_long}] if too_long is not None else []
 
 
-def _dataset_problem(ds: Dataset, skip: int, *, regenerate: bool = False) -> str | None:
-    """Why `ds` cannot feed the job, or None; with `regenerate` its prompts-only rows are usable."""
+def _dataset_problem(ds: Dataset, skip: int, *, prompts_usable: bool = False) -> str | None:
+    """Why `ds` cannot feed the job, or None; with `prompts_usable` (the job regenerates, or `ds` is a prompt
+    set) its prompts-only rows count."""
     ref = f"dataset {ds.id}"
     if ds.status == "validating":
         return f"{ref} is still being validated; submit again once GET /v1/datasets/{ds.id} shows status 'ready'"
@@ -105,7 +107,7 @@ def _dataset_problem(ds: Dataset, skip: int, *, regenerate: bool = False) -> str
     if not isinstance(kept, int) or isinstance(kept, bool):
         return None  # no count in the report: the trainer checks
     prompts = prompts if isinstance(prompts, int) and not isinstance(prompts, bool) else 0
-    if regenerate:
+    if prompts_usable:
         kept += prompts
     if kept <= 0 and prompts > 0:
         read = report.get("rows_read", prompts)
@@ -169,7 +171,7 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
             continue
         if is_source:  # the data funnel of the estimate reads the sources' reports
             out.reports[ref] = ds.report or {}
-        problem = _dataset_problem(ds, skip, regenerate=regenerate and is_source)
+        problem = _dataset_problem(ds, skip, prompts_usable=regenerate or not is_source)
         if problem is not None:
             out.problems.append({"param": param, "message": problem})
     out.problems.sort(key=_order)

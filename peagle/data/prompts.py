@@ -42,7 +42,7 @@ def dataset_prompts(path: str | Path, tokenizer: Any, num_prompts: int, *, forma
     """
     out: list[list[int]] = []
     report = IngestReport()
-    for row in iter_rows(path, format, report):
+    for row in iter_rows(path, format, report, keep_prompts_only=True):  # a prompt list, request bodies
         if len(out) >= num_prompts:
             break
         if row.messages is not None:

@@ -61,3 +61,8 @@ def test_prompts_only_dataset_needs_regeneration(client: TestClient, alice: dict
     assert (mixed["report"]["rows_kept"], mixed["report"]["prompts_only"]) == (1, 1)
     also = client.post("/v1/jobs?dry_run=true", json=_body(mixed["path_ref"]), headers=alice)
     assert also.status_code == 200 and also.json()["valid"] is True, also.text
+    # a prompt set needs prompts only: the prompt list measures AL without regeneration
+    as_set = _body(mixed["path_ref"])
+    as_set["overrides"]["eval"] = {"prompt_sets": [{"name": ds["path_ref"], "num_prompts": 4}]}
+    measured = client.post("/v1/jobs?dry_run=true", json=as_set, headers=alice)
+    assert measured.status_code == 200 and measured.json()["valid"] is True, measured.text

@@ -130,3 +130,15 @@ def test_with_regeneration_the_target_answers_the_prompts(tiny_model, smollm2_to
     # answered too
     assert (reg["conversations"], reg["generated"], reg["answers_appended"], reg["kept"]) == (6, 6, 6, 6)
     assert pd.report["train_conversations"] == 6 and pd.train.loss_mask.sum() > 0
+
+
+def test_a_prompt_list_is_a_prompt_set(smollm2_tokenizer, tmp_path):
+    from peagle.data.prompts import dataset_prompts, tokenize_prompts
+
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(["Write a haiku.", {"prompt": "Say hi.", "model": "m"}]))
+    assert dataset_prompts(path, smollm2_tokenizer, 8) == tokenize_prompts(smollm2_tokenizer,
+                                                                           ["Write a haiku.", "Say hi."])
+    bodies = _jsonl(tmp_path / "bodies.jsonl", BODIES)  # each request up to its first answer
+    got = dataset_prompts(bodies, smollm2_tokenizer, 8)
+    assert len(got) == 3 and got[2] == tokenize_prompts(smollm2_tokenizer, ["Hi"])[0]
