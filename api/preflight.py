@@ -22,7 +22,11 @@ Two kinds of problem, listed together in spec order (`[{"param", "message"}]`):
   - `vllm` asked for (`resources.target_engine`, `data.regenerate.engine`, `eval.engine`) where the
     workers have no vLLM engine (`Settings.vllm_available`);
   - no live worker consumes the job's queue (`/queue`), or none of them has `resources.gpus` GPUs
-    (`service.db.workers`, as `Settings.worker_check` says).
+    (`service.db.workers`, as `Settings.worker_check` says);
+  - a warm start (`draft.init_from`) whose source does not fit: the owner's job not succeeded, its checkpoint
+    gone, an upload not `ready`, or a draft whose hidden size, layers, aux layer ids, vocabulary or mask token
+    differ from this job's (`peagle.spec.init_from`, from the source's config.json). Another owner's job or
+    upload, or a local folder, is an access problem.
 
   Create and clone answer 422 `spec_invalid` and queue nothing; the dry run answers 200 with
   `valid: false` and the same `problems` (and still its estimate).
@@ -42,15 +46,18 @@ from api.access import access_problems, under_model_roots
 from api.dataset_checks import public_report
 from api.errors import ApiError
 from api.target_checks import HubProbe, context_problem, local_config
+from peagle.fileio import read_json
 from peagle.spec import TrainSpec
+from peagle.spec.init_from import init_from_problems, parse_init_from
 from peagle.spec.targets import is_hub_id
 from service.channels import dataset_id
+from service.db.init_from import init_source
 from service.db.models import Dataset
 from service.db.workers import worker_problems
 
 __all__ = ["Preflight", "WorkerCheck", "preflight"]
 
-_SECTIONS = {"target": 0, "data": 1, "eval": 2, "resources": 3, "queue": 4}
+_SECTIONS = {"target": 0, "data": 1, "draft": 2, "eval": 3, "resources": 4, "queue": 5}
 
 
 @dataclass
@@ -131,6 +138,26 @@ def _engine_problems(spec: TrainSpec, vllm_available: bool) -> list[dict[str, st
     return [{"param": param, "message": f"'vllm' {why}"} for param, value in asks if value == "vllm"]
 
 
+def _init_from_problems(session: Session, owner_id: int, spec: TrainSpec, artifact_root: Path | None
+                        ) -> tuple[list[dict[str, str]], bool]:
+    """(problems, forbidden) of `draft.init_from`: its source for this owner, then whether it fits."""
+    value = spec.draft.init_from
+    if value is None:
+        return [], False
+    found = init_source(session, owner_id, value, artifact_root=artifact_root)
+    if found.export_dir is None:
+        return [{"param": "/draft/init_from", "message": str(found.problem)}], found.forbidden
+    cfg = read_json(found.export_dir / "config.json")
+    if cfg is None:
+        return [{"param": "/draft/init_from", "message": f"the config.json of {value} is unreadable"}], False
+    target = local_config(spec.target.model, spec.target.revision)
+    ref = parse_init_from(value)
+    source = f"uploaded draft {ref.ref}" if ref.kind == "draft" else \
+        f"job {ref.ref}'s draft" + (f" (step {ref.step})" if ref.step is not None else "")
+    return [{"param": "/draft/init_from", "message": m}
+            for m in init_from_problems(cfg, spec, target, source=source)], False
+
+
 @dataclass(frozen=True)
 class WorkerCheck:
     """Which workers must be able to take the job: its queue, `Settings.worker_check`, heartbeat age."""
@@ -141,12 +168,16 @@ class WorkerCheck:
 
 
 def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path], *,
-              vllm_available: bool = True, hub: HubProbe | None = None, workers: WorkerCheck | None = None
-              ) -> Preflight:
+              vllm_available: bool = True, hub: HubProbe | None = None, workers: WorkerCheck | None = None,
+              artifact_root: Path | None = None) -> Preflight:
     """Every problem of `spec` knowable before queueing, for this owner (module docstring); `hub` None
-    leaves hub ids to the worker, `workers` None does not look at the workers."""
+    leaves hub ids to the worker, `workers` None does not look at the workers; `artifact_root` is where a
+    job's relative `artifact_dir` lives (the worker writes absolute ones)."""
     out = Preflight(problems=access_problems(spec, model_roots))
     out.forbidden = bool(out.problems)
+    warm, warm_forbidden = _init_from_problems(session, owner_id, spec, artifact_root)
+    out.problems += warm
+    out.forbidden = out.forbidden or warm_forbidden
     out.problems += _target_problems(spec, model_roots, hub)
     if workers is not None:
         out.problems += worker_problems(session, queue=workers.queue, gpus=spec.resources.gpus,
