@@ -379,7 +379,7 @@ class ConsoleSink:
             self.stream.flush()
 
     def _progress(self, phase: str, step: Any, total: Any) -> None:
-        if not isinstance(step, int) or not isinstance(total, int):
+        if not isinstance(step, int) or not isinstance(total, int) or total <= 0:  # (0: all from a cache)
             return
         from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 

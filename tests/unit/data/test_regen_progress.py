@@ -119,3 +119,20 @@ def test_all_cached_is_reported_at_once(smollm2_tokenizer, tmp_path) -> None:
     assert events[0]["total_steps"] == 2 and events[0][REGEN_CONVERSATIONS] == len(CONVS)
     assert events[-1]["step"] == events[-1]["total_steps"] == 2 and events[-1][REGEN_SECONDS_REMAINING] == 0
     assert _lines(sink)[0].startswith(f"regenerating 2 conversations ({len(CONVS)} of {len(more)} from the cache)")
+
+
+def test_on_a_terminal_the_bar_counts_what_is_left() -> None:
+    """`ConsoleSink` (peagle train on a terminal): the bar's total is the conversations to generate; all
+    from the cache draws no bar, only the line."""
+    import io
+
+    from peagle.progress import ConsoleSink
+
+    out = io.StringIO()
+    console = ConsoleSink(out, bar=True)
+    RegenProgress(console, 5, [], 5.0, Clock()).begin("vllm")
+    assert console._bar is None and out.getvalue() == "regenerating: all 5 conversations from the cache\n"
+    p = RegenProgress(console, 5, [Run(_conv(("user", "q"), ("assistant", "a")))] * 2, 5.0, Clock())
+    p.begin("vllm")
+    assert console._bar is not None and console._bar.total == 2 and console._bar.n == 0
+    console.close()
