@@ -226,6 +226,9 @@ async def upload_draft(request: Request, principal: Writer) -> Any:
         report = await _validate(export, state)
     except ArchiveRefused as exc:
         export, report = None, {"ok": False, "errors": [str(exc)]}
+    except BaseException:  # a validator that could not start, a cancelled request: no files left behind
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     path.unlink(missing_ok=True)  # the archive: what is kept is the folder it unpacked to
     if report["ok"] and export is not None:
         report["facts"] = source_facts(read_json(export / "config.json") or {})
