@@ -234,7 +234,11 @@ def run_pipeline(
     if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
         _phase(sink, "building_vocab", "draft vocabulary and mask token (reloaded)")
     vocab, mask_token_id = prepared.vocab, int(prepared.mask_token_id)
-    warm = warm_start(spec, target.parts.config.to_dict(), vocab_size) if spec.draft.init_from else None
+    # a resumed warm start reads its vocabulary from its own newest checkpoint (the parent's, kept there), and
+    # its weights come from there too: the parent is not read again (its checkpoint may be pruned since)
+    own = (find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
+           if spec.draft.init_from and resume == "auto" else None)
+    warm = warm_start(spec, target.parts.config.to_dict(), vocab_size, source=own) if spec.draft.init_from else None
     if warm is not None:  # the parent's rows of lm_head mean the parent's tokens: its vocabulary and mask token
         vocab, mask_token_id = warm.vocab, warm.mask_token_id
         sink.log("info", f"warm start from {spec.draft.init_from}: its draft vocabulary (Vd={vocab.draft_vocab_size})"
@@ -282,9 +286,8 @@ def run_pipeline(
         # overwritten
         resume_from = (find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
                        if spec.draft.mask_hidden_init == "feature_mean" and resume == "auto" else None)
-        if warm is not None and resume == "auto" and resume_from is None:
-            resume_from = find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
-        # a resumed run continues from its own checkpoint, never from the parent again
+        if warm is not None:  # a resumed run continues from its own checkpoint, never from the parent again
+            resume_from = own
         draft = build_initial_draft(spec, target.parts, vocab, mask_token_id, aux_ids, source,
                                     from_checkpoint=resume_from is not None,
                                     init_weights=warm.state if warm is not None and resume_from is None else None)
@@ -394,7 +397,8 @@ class WarmStart:
     provenance: dict[str, Any]
 
 
-def warm_start(spec: TrainSpec, target_config: dict[str, Any], vocab_size: int) -> WarmStart:
+def warm_start(spec: TrainSpec, target_config: dict[str, Any], vocab_size: int, *,
+               source: Path | None = None) -> WarmStart:
     """Read and check the source `spec.draft.init_from` names (a folder here: the service resolves
     `job:`/`draft:` to one before the trainer starts, `worker.supervisor`).
 
@@ -402,6 +406,8 @@ def warm_start(spec: TrainSpec, target_config: dict[str, Any], vocab_size: int) 
         spec: the job spec (`draft.init_from` set).
         target_config: the target's config as a dict (hidden size, vocabulary, layers).
         vocab_size: V, rows of the target's embedding.
+        source: a checkpoint folder to read instead (a resumed run's own, which holds the parent's
+            vocabulary and mask token).
 
     Raises:
         SpecInvalidError: (field `draft.init_from`) the source's draft does not fit this job.
@@ -414,11 +420,11 @@ def warm_start(spec: TrainSpec, target_config: dict[str, Any], vocab_size: int) 
 
     value = str(spec.draft.init_from)
     ref = parse_init_from(value)
-    if ref.kind != "path":
+    if source is None and ref.kind != "path":
         raise SpecInvalidError([SpecProblem(loc=("draft", "init_from"), message=(
             f"{value!r} names a source of the service (it resolves it before training); here give an export "
             "folder, a checkpoint folder or a run directory"))])
-    export_dir = init_source_dir(ref.ref)
+    export_dir = source if source is not None else init_source_dir(ref.ref)
     cfg, state = read_init_weights(export_dir)
     problems = init_from_problems(cfg, spec, target_config, source=f"the draft in {export_dir}")
     d2t, t2d = state.get("d2t"), state.get("t2d")
@@ -447,5 +453,5 @@ def warm_start(spec: TrainSpec, target_config: dict[str, Any], vocab_size: int) 
         except (OSError, ValueError):
             step = None
     prov = {"init_from": value, "export_dir": str(export_dir), "step": step, "draft_vocab_size": vd,
-            "mask_token_id": mask}
+            "mask_token_id": mask, "resumed": source is not None}
     return WarmStart(export_dir, state, vocab, mask, prov)

@@ -290,6 +290,8 @@ class Supervisor:
             found = init_source(s, owner if owner is not None else -1, value,
                                 artifact_root=self.settings.resolved_artifact_root())
         if found.export_dir is None:
+            if any((self.run_dir / "checkpoints").glob("step_*/COMPLETE")):
+                return spec, None  # a resumed attempt reads only its own checkpoints (peagle.pipeline.warm_start)
             return spec, f"draft.init_from: {found.problem}"
         return spec.model_copy(update={"draft": spec.draft.model_copy(
             update={"init_from": str(found.export_dir)})}), None

@@ -115,8 +115,11 @@ def test_a_resume_continues_from_the_runs_own_checkpoint(runs, tmp_path) -> None
     shutil.rmtree(again / "checkpoints" / f"step_{last:06d}")  # the crash: the last checkpoint never landed
     shutil.rmtree(again / "export")
     kept = max(int(p.name.removeprefix("step_")) for p in (again / "checkpoints").glob("step_*"))
-    proc = _peagle("train", "tiny", "--out", str(again), "--init-from", str(parent))
+    gone = tmp_path / "parent-since-removed"  # the resume reads nothing of the parent
+    proc = _peagle("train", "tiny", "--out", str(again), "--init-from", str(gone))
     assert proc.returncode == 0, proc.stderr[-2000:]
     resumed = _metrics(again)
     # the steps after the kept checkpoint are the first run's own (from the parent they would start over)
     assert resumed[kept + 1]["loss"] == pytest.approx(_metrics(child)[kept + 1]["loss"], rel=1e-4)
+    prov = json.loads((again / "provenance.json").read_text())["resolved"]["init_from"]
+    assert prov["resumed"] and Path(prov["export_dir"]).name == f"step_{kept:06d}"
