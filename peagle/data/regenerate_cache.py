@@ -11,7 +11,9 @@ non-assistant turn, and where the assistant turns are: their old content is repl
 the key). The first four make the *group* (`group_key`); each group is one JSONL file
 ``<regen_cache_dir()>/<group>.jsonl``, and a conversation's key (`conversation_key`) hashes the group with
 its prompt turns. Never a row index: the same conversation in another file, at another position, in another
-job, is found again.
+job, is found again. A conversation that ends with a user turn is keyed with the empty answer the driver
+appends to it (`peagle.data.regenerate.with_answer_slot`), so a prompt alone and the same prompt with another
+model's answer share one record.
 
 Each line is one finished conversation::
 
