@@ -142,3 +142,32 @@ def test_a_prompt_list_is_a_prompt_set(smollm2_tokenizer, tmp_path):
     bodies = _jsonl(tmp_path / "bodies.jsonl", BODIES)  # each request up to its first answer
     got = dataset_prompts(bodies, smollm2_tokenizer, 8)
     assert len(got) == 3 and got[2] == tokenize_prompts(smollm2_tokenizer, ["Hi"])[0]
+
+
+def test_a_prompt_and_the_same_prompt_with_an_old_answer_share_the_cache(smollm2_tokenizer, tmp_path):
+    import contextlib
+
+    from peagle.data.regenerate import RegenSettings, regenerate_conversations
+    from peagle.data.regenerate_engines import TurnResult
+
+    class Echo:  # a scripted engine: one fixed answer per request, counted
+        concurrent = False
+        asked = 0
+
+        def generate(self, reqs):
+            Echo.asked += len(reqs)
+            return [TurnResult("the answer", "stop", 3) for _ in reqs]
+
+    s = RegenSettings(engine="hf", dtype="float32", temperature=0.0, max_new_tokens=8, on_length="drop",
+                      batch_size=4, max_length=128, max_model_len=136)
+
+    def run(convs):
+        return regenerate_conversations(convs, smollm2_tokenizer, s, identity={"builtin": "x"}, cache_dir=tmp_path,
+                                        open_backend=lambda: contextlib.nullcontext(Echo()))
+
+    prompt = [{"role": "user", "content": "Why is the sky blue?"}]
+    first = run([prompt])
+    assert first.conversations == [[*prompt, {"role": "assistant", "content": "the answer"}]] and Echo.asked == 1
+    again = run([[*prompt, {"role": "assistant", "content": "another model's answer"}]])
+    assert again.report["cached"] == 1 and again.report["generated"] == 0 and Echo.asked == 1
+    assert again.conversations == first.conversations
