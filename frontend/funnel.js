@@ -23,6 +23,7 @@ export async function funnelView(f) {
             reasons[k] ? h("span", { class: "sub" }, ` (${reasons[k]})`) : null)))
         : null),
       step("kept", "kept", f.kept, f.truncated ? h("span", { class: "sub" }, ` (${num(f.truncated)} cut at max_length)`) : null),
+      f.prompts_only ? step("prompts_only", "without an answer (the target writes it when regenerating)", f.prompts_only) : null,
       step("held_out", "held out for evaluation", f.held_out),
       step("train_conversations", "training conversations", f.train_conversations),
       f.packed_rows !== null && f.packed_rows !== undefined ? step("packed_rows", "packed rows", f.packed_rows) : null,

@@ -345,3 +345,18 @@ def test_jobs_list_shows_each_jobs_measured_al(page: object, server: Server, fee
     pg.wait_for_function(
         f"document.querySelector(\"tr[data-id='{job_id}'] td[data-label='AL / best']\").textContent"
         " === 'AL 1.23 · vLLM 1.23'", timeout=15_000)
+
+
+def test_job_page_funnel_counts_prompts_only_rows(page: object, server: Server, feeder: object) -> None:
+    """Issue 38: prompts without an answer (kept when the target regenerates) are a step of the funnel."""
+    from peagle.spec.funnel import funnel
+
+    job_id = _create_job(server, "funnel-prompts")
+    feeder.claim(job_id)  # type: ignore[attr-defined]
+    f = funnel(read=40, kept=38, held_out=2, dropped_by_reason={"empty_conversation": 2}, prompts_only=30)
+    feeder.replay(job_id, [json.dumps({"type": "event", "kind": "phase", "phase": "preparing_data"}),  # type: ignore[attr-defined]
+                           json.dumps({"type": "event", "kind": "data", "message": "data funnel", "funnel": f})])
+    page.goto(f"/job.html?id={job_id}")  # type: ignore[attr-defined]
+    step = page.locator("#funnel .funnel [data-key='prompts_only']")  # type: ignore[attr-defined]
+    step.wait_for()
+    assert "30 without an answer" in step.inner_text()
