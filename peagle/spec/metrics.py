@@ -58,14 +58,15 @@ AL_POS_PREFIX = "al_pos_"
 PER_POSITION = "per_position"
 
 # Regeneration progress (peagle.data.regenerate): fields of a `progress` event with `phase: regenerating`,
-# which also carries `step` / `total_steps` = conversations done / total, so a generic progress bar works.
+# which also carries `step` / `total_steps` = conversations generated / those needing generation (cached ones
+# are done before the engine starts), so a generic progress bar counts only the remaining work.
 #: Conversations done (cached ones included) and their total.
 REGEN_CONVERSATIONS = "regen_conversations"
 REGEN_CONVERSATIONS_TOTAL = "regen_conversations_total"
 #: Tokens the engine generated so far in this run, and per second since it started answering.
 REGEN_TOKENS = "regen_tokens"
 REGEN_TOKENS_PER_S = "regen_tokens_per_s"
-#: Estimated seconds left (from this run's conversation rate); None until one conversation is done.
+#: Smoothed ETA (`peagle.progress.smoothed_eta`) over the answers left; None until 3 answers came back.
 REGEN_SECONDS_REMAINING = "regen_seconds_remaining"
 
 
