@@ -1,11 +1,10 @@
 // Job page, retrain and promotion panel (docs/retrain.md): a succeeded job's Retrain form, the current draft
 // of the job's target (force-promote, undo), and the promotion decisions about this job with both sides' numbers.
-import { api, ApiError, listAll } from "./api.js";
+import { api, ApiError, isTerminal, listAll, loadMeta } from "./api.js";
 import { $, confirmDialog, fmtTime, h, showError, toast } from "./ui.js";
 
 const jobId = new URLSearchParams(location.search).get("id");
 const root = $("#retrain");
-const TERMINAL = ["succeeded", "failed", "cancelled"];
 
 const fx = (v) => (typeof v === "number" ? `${v.toFixed(2)}x` : "–");
 const al = (v) => (typeof v === "number" ? v.toFixed(2) : "–");
@@ -130,9 +129,10 @@ async function render() {
 
 async function loop(first) {
   try {
-    const wasTerminal = job && TERMINAL.includes(job.status);
+    const meta = await loadMeta();
+    const wasTerminal = job && isTerminal(meta, job.status);
     const pending = first || !wasTerminal ? await render() : await refresh();
-    if (!TERMINAL.includes(job.status) || pending) setTimeout(() => loop(false), 5000);
+    if (!isTerminal(meta, job.status) || pending) setTimeout(() => loop(false), 5000);
   } catch (e) {
     root.hidden = false;
     showError(root, e);
