@@ -27,7 +27,10 @@ from service.db import promotion, states
 router = APIRouter(tags=["promotion"])
 
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
-TargetQuery = Annotated[str | None, Query(min_length=1, max_length=512, description="The spec's `target.model`.")]
+#: A target name (the spec's `target.model`); no NUL (PostgreSQL text cannot hold one).
+NO_NUL = r"^[^\x00]*$"
+TargetQuery = Annotated[str | None, Query(min_length=1, max_length=512, pattern=NO_NUL,
+                                          description="The spec's `target.model`.")]
 
 
 class RetrainRequest(BaseModel):
@@ -69,7 +72,7 @@ class UndoRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    target: str = Field(min_length=1, max_length=512, description="The spec's `target.model`.")
+    target: str = Field(min_length=1, max_length=512, pattern=NO_NUL, description="The spec's `target.model`.")
 
 
 class CurrentDraftOut(BaseModel):

@@ -129,6 +129,9 @@ def test_force_promote_undo_and_the_log(client: TestClient, sim: Any, alice: dic
     queued = submit(client, alice)
     r = client.post("/v1/promotion/promote", headers=alice, json={"job_id": queued["id"]})
     assert r.status_code == 409, r.text
+    # a target name with a NUL is refused before the database sees it (PostgreSQL text holds none)
+    assert client.get("/v1/promotion/current", headers=alice, params={"target": "a\x00"}).status_code == 422
+    assert client.post("/v1/promotion/undo", headers=alice, json={"target": "a\x00"}).status_code == 422
 
 
 @pytest.mark.parametrize("decision,etype", [("promoted", "draft.promoted"), ("declined", "draft.promotion_declined"),
