@@ -17,10 +17,16 @@ from typing import Any
 
 from service.settings import Settings
 
-__all__ = ["DELIVERY", "FILESYSTEM_TRANSPORT", "TRAIN_TASK", "WORKER_ONLY", "Producer", "celery_config", "declared_queue",
-           "make_producer", "task_options", "worker_argv", "worker_config"]
+__all__ = ["DELIVERY", "ENGINE_CHUNK_TASK", "ENGINE_DELIVERY", "ENGINE_WORKER_ONLY", "FILESYSTEM_TRANSPORT", "ROLES", "TRAIN_TASK",
+           "WORKER_ONLY", "Producer", "celery_config", "declared_queue", "engine_queue", "make_producer", "role_queues",
+           "task_options", "worker_argv", "worker_config"]
 
 TRAIN_TASK = "peagle.train"
+#: One chunk of a split job's engine work (`resources.engine`): `peagle.engine_chunk(job_id, kind, index)`.
+ENGINE_CHUNK_TASK = "peagle.engine_chunk"
+#: What a worker runs: `engine` chunk tasks only, `trainer` jobs only, or both (`all`, the default).
+ROLES = ("all", "engine", "trainer")
+ENGINE_QUEUE_PREFIX = "engine-"
 #: kombu's filesystem transport with atomic puts and gets (service/fsbroker.py): the embedded broker's.
 FILESYSTEM_TRANSPORT = "service.fsbroker:Transport"
 
@@ -56,6 +62,12 @@ WORKER_ONLY: dict[str, Any] = {
     "broker_connection_max_retries": None,
     "worker_send_task_events": False,
 }
+#: An engine worker's delivery (role `engine`): the `solo` pool runs each chunk task in the worker's main
+#: process, so the `vllm serve` it starts (`peagle.engine.procs.spawn`, dying with that process) stays warm
+#: between chunks; a prefork child with `worker_max_tasks_per_child: 1` would take its engine with it after
+#: every chunk. Late acks and prefetch 1 as for jobs: a busy engine worker never reserves a second chunk.
+ENGINE_DELIVERY: dict[str, Any] = {**DELIVERY, "worker_max_tasks_per_child": None}
+ENGINE_WORKER_ONLY: dict[str, Any] = {**WORKER_ONLY, "worker_pool": "solo"}
 REDIS_VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
 #: kombu's Redis transport keeps a queue's messages in one list per priority step (`queue`, `queue\x06\x163`, ...).
 _REDIS_PRIORITY_SEP, _REDIS_PRIORITY_STEPS = "\x06\x16", (0, 3, 6, 9)
@@ -89,10 +101,33 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return conf
 
 
-def worker_config(settings: Settings, queues: list[str]) -> dict[str, Any]:
-    """The consuming worker's settings: `celery_config` plus `WORKER_ONLY` and its explicit queues."""
-    return {**celery_config(settings), **WORKER_ONLY,
+def worker_config(settings: Settings, queues: list[str], role: str = "all") -> dict[str, Any]:
+    """The consuming worker's settings: `celery_config` plus `WORKER_ONLY` (an engine worker's: `ENGINE_DELIVERY`
+    and `ENGINE_WORKER_ONLY`) and its explicit queues."""
+    extra = {**ENGINE_DELIVERY, **ENGINE_WORKER_ONLY} if role == "engine" else WORKER_ONLY
+    return {**celery_config(settings), **extra,
             "task_queues": [declared_queue(n) for n in queues], "task_default_queue": queues[0]}
+
+
+def engine_queue(queue: str) -> str:
+    """The engine queue beside the job queue `queue` (`engine-<queue>`): the one rule for its name."""
+    return queue if queue.startswith(ENGINE_QUEUE_PREFIX) else f"{ENGINE_QUEUE_PREFIX}{queue}"
+
+
+def role_queues(role: str, queues: list[str]) -> list[str]:
+    """The queues a worker of `role` consumes, given its GPU kind's job queues (`settings.worker_queue`).
+
+    `trainer`: the job queues; `engine`: their engine queues; `all`: both (job queues first).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    jobs = [q for q in queues if not q.startswith(ENGINE_QUEUE_PREFIX)]
+    engines = list(dict.fromkeys(engine_queue(q) for q in queues))
+    if role == "trainer":
+        return jobs
+    if role == "engine":
+        return engines
+    return [*jobs, *[q for q in engines if q not in jobs]]
 
 
 def task_options() -> dict[str, Any]:
@@ -101,8 +136,12 @@ def task_options() -> dict[str, Any]:
             "ignore_result": DELIVERY["task_ignore_result"]}
 
 
-def worker_argv() -> list[str]:
-    """The delivery options on `celery worker`'s command line (it overrides the app's configuration)."""
+def worker_argv(role: str = "all") -> list[str]:
+    """The delivery options on `celery worker`'s command line (it overrides the app's configuration); an
+    `engine` worker runs its tasks in its main process (`ENGINE_DELIVERY`)."""
+    if role == "engine":
+        return [f"--pool={ENGINE_WORKER_ONLY['worker_pool']}", "--concurrency=1",
+                f"--prefetch-multiplier={ENGINE_DELIVERY['worker_prefetch_multiplier']}"]
     return [f"--pool={WORKER_ONLY['worker_pool']}", f"--concurrency={WORKER_ONLY['worker_concurrency']}",
             f"--prefetch-multiplier={DELIVERY['worker_prefetch_multiplier']}",
             f"--max-tasks-per-child={DELIVERY['worker_max_tasks_per_child']}"]
@@ -137,6 +176,12 @@ class Producer:
     def send_train(self, job_id: str, queue: str, task_id: str | None = None) -> str:
         """Queue task `peagle.train(job_id)` on `queue` (optionally with a chosen task id); returns the id."""
         result = self.app.send_task(TRAIN_TASK, args=[job_id], queue=declared_queue(queue), task_id=task_id)
+        return str(result.id)
+
+    def send_engine_chunk(self, job_id: str, kind: str, index: int, queue: str, task_id: str | None = None) -> str:
+        """Queue task `peagle.engine_chunk(job_id, kind, index)` on the engine queue `queue`; returns the id."""
+        result = self.app.send_task(ENGINE_CHUNK_TASK, args=[job_id, kind, int(index)], queue=declared_queue(queue),
+                                    task_id=task_id)
         return str(result.id)
 
     def waiting_task_ids(self, queue: str) -> set[str] | None:

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
         default="auto", description="Whether the API refuses a job that no live worker can take (none consumes "
         "its queue, or none has resources.gpus GPUs): auto = once workers have announced themselves to the "
         "database; yes = always (no worker running is refused too); no = never.")
+    engine_keep_warm_seconds: float = Field(
+        default=600.0, ge=0, description="An engine worker (`python -m worker --role engine`) keeps its `vllm serve` "
+        "this long after its last chunk for the next chunk of the same engine configuration (target, revision, "
+        "dtype, parallelism, mode); it stops it sooner when a chunk needs another configuration.")
     heartbeat_seconds: float = Field(default=5.0, gt=0, description="Worker lease heartbeat interval.")
     lease_seconds: float = Field(default=60.0, gt=0, description="A job whose heartbeat is older is requeued.")
     kill_grace_seconds: float = Field(default=60.0, gt=0, description="SIGTERM -> SIGKILL grace for trainers.")

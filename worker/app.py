@@ -34,7 +34,7 @@ import warnings
 from celery import Celery, signals
 
 from peagle.engine.procs import spawn
-from service.queue import worker_argv, worker_config
+from service.queue import ROLES, role_queues, worker_argv, worker_config
 from service.settings import Settings, get_settings
 from worker.announce import Announcer
 from worker.tasks import register_tasks
@@ -44,20 +44,22 @@ __all__ = ["accept_root", "main", "main_parser", "make_celery", "queue_names", "
 log = logging.getLogger(__name__)
 
 
-def queue_names(settings: Settings, override: str | None = None) -> list[str]:
-    """Queues this worker consumes: `override` or `settings.worker_queue` (comma-separated)."""
+def queue_names(settings: Settings, override: str | None = None, role: str = "all") -> list[str]:
+    """Queues this worker consumes: those of its `role` (`service.queue.role_queues`) for `override` or
+    `settings.worker_queue` (comma-separated job queues of its GPU kind)."""
     names = [q.strip() for q in (override or settings.worker_queue).split(",") if q.strip()]
     if not names:
         raise ValueError("worker_queue: at least one queue name is required")
-    return names
+    return role_queues(role, names)
 
 
-def make_celery(settings: Settings, *, queues: list[str] | None = None) -> Celery:
-    """A Celery app consuming `queues` (default from settings) with the `peagle.train` task registered."""
-    names = queues or queue_names(settings)
+def make_celery(settings: Settings, *, queues: list[str] | None = None, role: str = "all") -> Celery:
+    """A Celery app consuming `queues` (default from settings and `role`) with the tasks of `role` registered:
+    `peagle.train` (trainer, all) and `peagle.engine_chunk` (engine, all)."""
+    names = queues or queue_names(settings, role=role)
     app = Celery("peagle-worker", set_as_current=False)
-    app.conf.update(worker_config(settings, names))
-    register_tasks(app, settings)
+    app.conf.update(worker_config(settings, names, role))
+    register_tasks(app, settings, role=role)
     return app
 
 
@@ -90,7 +92,11 @@ def start_reaper(settings: Settings, queues: list[str]) -> subprocess.Popen[byte
 def main_parser() -> argparse.ArgumentParser:
     """The command line of `python -m worker`."""
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--queue", default=None, help="queues to consume (comma-separated; default settings)")
+    parser.add_argument("--queue", default=None, help="job queues of this worker's GPU kind (comma-separated; "
+                        "default settings); an engine worker consumes their engine queues (engine-<queue>)")
+    parser.add_argument("--role", default="all", choices=ROLES,
+                        help="engine: only engine chunk tasks (keeps its vllm serve warm between chunks); trainer: "
+                        "only jobs (their trainers); all (default): both")
     parser.add_argument("--hostname", default=None, help="Celery node name (default peagle-<queue>@<host>-<pid>)")
     parser.add_argument("--ping", action="store_true", help="exit 0 if a worker answers a ping")
     parser.add_argument("--no-reaper", action="store_true",
@@ -125,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m worker [--queue Q] [--hostname H] [--ping] [--accept-root]`: run one worker (or ping)."""
     args = main_parser().parse_args(argv)
     settings = get_settings()
-    names = queue_names(settings, args.queue)
-    app = make_celery(settings, queues=names)
+    names = queue_names(settings, args.queue, args.role)
+    app = make_celery(settings, queues=names, role=args.role)
     if args.ping:
         replies = app.control.ping(timeout=5.0)
         sys.stdout.write(f"{len(replies)} worker(s) answered\n")
@@ -134,16 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.accept_root:
         accept_root()
-    if not args.no_reaper:
+    if not args.no_reaper and args.role != "engine":
         start_reaper(settings, names)
-    signals.worker_shutting_down.connect(stop_running_jobs, weak=False)
+    if args.role != "engine":  # an engine worker runs its chunk in its main process: nothing to signal
+        signals.worker_shutting_down.connect(stop_running_jobs, weak=False)
     hostname = args.hostname or f"peagle-{names[0]}@{socket.gethostname()}-{os.getpid()}"
+    if args.role == "engine":
+        from worker.engine_task import stop_warm_engine
+
+        signals.worker_shutdown.connect(stop_warm_engine, weak=False)
     announcer = Announcer(settings, name=hostname, queues=names)  # its row tells the API what it takes
     signals.worker_ready.connect(announcer.start, weak=False)
     signals.worker_shutdown.connect(announcer.stop, weak=False)
     app.worker_main(argv=[
         "worker", f"--loglevel={settings.log_level.upper()}", f"--queues={','.join(names)}",
-        f"--hostname={hostname}", *worker_argv(), "--without-gossip", "--without-mingle", "--without-heartbeat",
+        f"--hostname={hostname}", *worker_argv(args.role), "--without-gossip", "--without-mingle", "--without-heartbeat",
     ])
     return 0
 

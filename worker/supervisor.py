@@ -109,6 +109,7 @@ class Supervisor:
         self._known_steps: set[int] = set()
         self.worker_prov: dict[str, Any] = {}
         self.engine_env: dict[str, str] = {}
+        self.dispatcher: Any = None  # a split job's chunk dispatcher (`worker.dispatch`, resources.engine)
         self.redact = Redactor(settings, self.run_dir)  # what clients see names no server path
 
     # ---------------------------------------------------------------- process control
@@ -225,6 +226,11 @@ class Supervisor:
         if gone:
             return self._end(states.FAILED, code="spec_invalid", message=gone, retryable=False,
                              event=("error", f"spec_invalid: {gone}"))
+        if spec.resources.engine is not None:
+            from worker.dispatch import ChunkDispatcher
+
+            self.dispatcher = ChunkDispatcher(self.settings, self.factory, job_id=self.lease.job_id,
+                                              queue=self.lease.queue, run_dir=self.run_dir, spec=spec)
         spec_path = self.run_dir / "job_spec.json"
         atomic_write_json(spec_path, spec.model_dump(mode="json"), indent=2)
         argv = build_command(settings=self.settings, spec=spec, spec_path=spec_path, run_dir=self.run_dir)
@@ -360,6 +366,8 @@ class Supervisor:
                         self._heartbeat()
                     except SQLAlchemyError as exc:
                         log.warning("job %s: heartbeat failed (%s)", self.lease.job_id, exc)
+                if self.dispatcher is not None and self.term_sent_at is None:
+                    self._dispatch()
                 if now >= next_flush or len(self.collector) >= 500:
                     next_flush = now + self.flush_seconds
                     self._flush()
@@ -374,7 +382,21 @@ class Supervisor:
             if self.proc.poll() is None:  # the supervisor itself failed: never leave a trainer behind
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait()
+            if self.dispatcher is not None:
+                with contextlib.suppress(Exception):
+                    self.dispatcher.stop()
         return self._exit(rc)
+
+    def _dispatch(self) -> None:
+        """Send a split job's released chunks (`worker.dispatch`); a failure is logged and retried next time."""
+        now = time.monotonic()
+        if now < getattr(self, "_next_dispatch", 0.0):
+            return
+        self._next_dispatch = now + 0.5
+        try:
+            self.dispatcher.tick()
+        except Exception as exc:  # noqa: BLE001 - the broker or database may come back: next tick
+            log.warning("job %s: chunk dispatch failed (%s)", self.lease.job_id, exc)
 
     def _stderr(self, line: str) -> None:
         for part in self.redact.text(line).replace("\r", "\n").split("\n"):

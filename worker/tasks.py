@@ -17,7 +17,7 @@ from typing import Any
 from service.db import states
 from service.db.lease import ConcurrencyLimited, claim_job, defer_claim, finish
 from service.db.session import make_engine, make_session_factory, session_scope
-from service.queue import TRAIN_TASK, make_producer, task_options
+from service.queue import ENGINE_CHUNK_TASK, TRAIN_TASK, make_producer, task_options
 from service.settings import Settings
 from worker.live import Publisher
 from worker.supervisor import Supervisor
@@ -94,11 +94,23 @@ def _promotion(settings: Settings, factory: Any, job_id: str) -> None:
         log.exception("job %s: promotion decision failed", job_id)
 
 
-def register_tasks(app: Any, settings: Settings) -> Any:
-    """Register `peagle.train` on `app` (settings are closed over: no module-level state)."""
+def register_tasks(app: Any, settings: Settings, *, role: str = "all") -> Any:
+    """Register the tasks of `role` on `app` (settings are closed over): `peagle.train` (trainer, all) and
+    `peagle.engine_chunk` (engine, all). A worker of role `engine` has no `peagle.train`: it never starts a
+    trainer; one of role `trainer` has no `peagle.engine_chunk`: it never starts an engine for a chunk."""
+    train = None
+    if role in ("all", "trainer"):
 
-    @app.task(name=TRAIN_TASK, **task_options())
-    def train(job_id: str) -> str:
-        return run_job(settings, job_id)
+        @app.task(name=TRAIN_TASK, shared=False, **task_options())
+        def train(job_id: str) -> str:
+            return run_job(settings, job_id)
+
+    if role in ("all", "engine"):
+
+        @app.task(name=ENGINE_CHUNK_TASK, shared=False, **task_options())
+        def engine_chunk(job_id: str, kind: str, index: int) -> str:
+            from worker.engine_task import run_chunk
+
+            return run_chunk(settings, job_id, kind, int(index))
 
     return train

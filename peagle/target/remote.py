@@ -40,8 +40,9 @@ from peagle.errors import EngineError
 from peagle.fileio import atomic_path, atomic_write_json
 from peagle.target.sources import _Ordered
 
-__all__ = ["PLAN_VERSION", "RemoteFeatureSource", "capture_plan", "chunk_range", "pending_chunks", "read_plan",
-           "releasable", "remote_dir", "run_capture_chunk", "write_plan"]
+__all__ = ["PLAN_VERSION", "CaptureEngine", "RemoteFeatureSource", "capture_plan", "chunk_range", "engine_key", "eval_dir",
+           "eval_pending", "pending_chunks", "read_plan", "releasable", "remote_dir", "run_capture_chunk",
+           "run_eval_chunk", "start_capture_engine", "wait_for_eval", "write_plan"]
 
 PLAN_VERSION = 1
 
@@ -131,14 +132,54 @@ def pending_chunks(d: Path) -> list[int]:
     return out
 
 
-def write_plan(d: Path, plan: dict[str, Any], rows: PackedRows) -> None:
-    """Write the rows, then the plan (its presence means both are complete)."""
+def write_plan(d: Path, plan: dict[str, Any], rows: PackedRows, eval_rows: PackedRows | None = None) -> None:
+    """Write the rows (and the held-out rows: one `eval` chunk captures them as offline shards into
+    ``d/../eval``), then the plan (its presence means all are complete)."""
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
-    with atomic_path(d / "rows.safetensors") as tmp:
-        save_file({k: v.contiguous() for k, v in rows.to_dict().items()}, str(tmp))
-    atomic_write_json(d / "plan.json", plan)
+    for name, r in (("rows", rows), ("eval_rows", eval_rows)):
+        if r is not None:
+            with atomic_path(d / f"{name}.safetensors") as tmp:
+                save_file({k: v.contiguous() for k, v in r.to_dict().items()}, str(tmp))
+    atomic_write_json(d / "plan.json", {**plan, "eval": eval_rows is not None and len(eval_rows) > 0})
+
+
+def eval_dir(d: Path) -> Path:
+    """Where the `eval` chunk writes the held-out features (offline shards with their manifest)."""
+    return d.parent / "eval"
+
+
+def eval_pending(d: Path) -> bool:
+    """Whether the plan has held-out rows whose shards are not complete yet."""
+    plan = read_plan(d)
+    if plan is None or not plan.get("eval"):
+        return False
+    manifest = _read_json(eval_dir(d) / "manifest.json")
+    return not (manifest and manifest.get("complete"))
+
+
+def run_eval_chunk(d: Path, capture: Any, *, aux_dtype: torch.dtype, worker: str = "") -> dict[str, Any]:
+    """Capture the held-out rows into offline shards (`write_feature_shards`: resumable, a redo continues)."""
+    from peagle.target.sources import write_feature_shards
+
+    t0 = time.monotonic()
+    rows = _read_rows(d, "eval_rows")
+    write_feature_shards(capture, rows, eval_dir(d), aux_dtype=aux_dtype)
+    return {"micro_batches": 0, "tokens": rows.num_tokens(), "seconds": round(time.monotonic() - t0, 3),
+            "worker": worker}
+
+
+def wait_for_eval(d: Path, *, poll_s: float = 0.5, timeout_s: float | None = None) -> None:
+    """The trainer waits for the held-out shards (raises the dispatcher's ``failed.json`` as `EngineError`)."""
+    t0 = time.monotonic()
+    while eval_pending(d):
+        failed = _read_json(d / "failed.json")
+        if failed is not None:
+            raise EngineError(str(failed.get("message") or "the engine workers failed"))
+        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            raise EngineError(f"the held-out features did not arrive from the engine workers in {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def read_plan(d: Path) -> dict[str, Any] | None:
@@ -149,10 +190,10 @@ def read_plan(d: Path) -> dict[str, Any] | None:
     return plan
 
 
-def _read_rows(d: Path) -> PackedRows:
+def _read_rows(d: Path, name: str = "rows") -> PackedRows:
     from safetensors.torch import load_file
 
-    t = load_file(str(d / "rows.safetensors"))
+    t = load_file(str(d / f"{name}.safetensors"))
     return PackedRows(input_ids=t["input_ids"], loss_mask=t["loss_mask"], document_ids=t["document_ids"])
 
 
@@ -295,3 +336,60 @@ class RemoteFeatureSource(_Ordered):
 
     def close(self) -> None:
         """Nothing to stop here (the engine workers are the dispatcher's); kept for the sources' interface."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine a plan needs (an engine worker keeps it warm between chunks of the same key)
+# ---------------------------------------------------------------------------------------------------
+
+
+def engine_key(plan: dict[str, Any]) -> str:
+    """What makes two plans' engines the same: target (model, revision, dtype), `resources.vllm` and
+    `resources.engine.gpus` (parallelism), the mode and the captured layers."""
+    import hashlib
+
+    spec = plan["spec"]
+    key = {"target": {k: spec["target"].get(k) for k in ("model", "revision", "dtype")},
+           "vllm": spec["resources"]["vllm"], "gpus": (spec["resources"].get("engine") or {}).get("gpus", 0),
+           "mode": plan["kind"], "layers": plan["aux_layer_ids"], "seed": spec["optim"]["seed"]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class CaptureEngine:
+    """A started capture engine and the target parts it is read with (`start_capture_engine`)."""
+
+    def __init__(self, server: Any, parts: Any) -> None:
+        self.server, self.parts = server, parts
+
+    def capture(self, plan: dict[str, Any]) -> Any:
+        """A `VllmCapture` for `plan` (its aux layers, its draft vocabulary: ``selected``)."""
+        from peagle.target.vllm_capture import VllmCapture
+
+        sel = plan.get("selected")
+        selected = None if sel is None else torch.tensor(sel, dtype=torch.long)
+        return VllmCapture(self.server, self.parts, [int(i) for i in plan["aux_layer_ids"]], selected)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_capture_engine(plan: dict[str, Any], *, storage_dir: Path, log_path: Path, devices: str | None) -> CaptureEngine:
+    """Start the capture engine `plan` needs (an engine worker keeps it for every plan of the same `engine_key`).
+
+    Raises:
+        EngineError, TargetLoadError: as `VllmServer.start` and `load_target_parts`.
+    """
+    from peagle.engine.server import CaptureOptions, VllmServer, engine_config_from_spec
+    from peagle.spec import TrainSpec
+    from peagle.target.loader import TORCH_DTYPES, locate_target
+    from peagle.target.parts import load_target_parts
+
+    resolved = TrainSpec.model_validate(plan["spec"])
+    path = locate_target(resolved)
+    parts = load_target_parts(path, dtype=TORCH_DTYPES[resolved.target.dtype])
+    aux = [int(i) for i in plan["aux_layer_ids"]]
+    opts = CaptureOptions(layer_ids=(*aux, int(parts.config.num_hidden_layers)), storage_dir=storage_dir)
+    server = VllmServer(engine_config_from_spec(resolved, path, capture=opts, devices=devices), log_path=log_path,
+                        name="capture engine")
+    server.start()
+    return CaptureEngine(server, parts)

@@ -111,7 +111,7 @@ def load_target_runtime(resolved: Any, device: torch.device) -> TargetRuntime:
         return TargetRuntime("hf", path, tok, model, model, model.config, dtype)
     from peagle.engine.locate import vllm_python
 
-    if vllm_python() is None:
+    if resolved.resources.engine is None and vllm_python() is None:
         raise EngineError(
             "resources.target_engine is 'vllm' but vLLM is not installed here: run `make vllm-env` (builds "
             ".vllm-venv, about 2 minutes) or set PEAGLE_VLLM_PYTHON, or use target_engine 'hf'"
@@ -168,6 +168,10 @@ def feature_sources(
         yield source, eval_source
         return
 
+    if spec.resources.engine is not None:
+        yield _remote_sources(target, spec, prepared, run, aux_ids=aux_ids, selected=selected, sink=sink)
+        return
+
     from peagle.engine.server import CaptureOptions, VllmServer
     from peagle.target.streaming import StreamingFeatureSource
     from peagle.target.vllm_capture import VllmCapture
@@ -219,6 +223,53 @@ def feature_sources(
         )  # fmt: skip
         stack.callback(stream.close)
         yield stream, eval_source
+
+
+def _remote_sources(target: TargetRuntime, spec: Any, prepared: Any, run: Path, *, aux_ids: list[int], selected: Any,
+                    sink: ProgressSink) -> tuple[Any, Any]:
+    """A split job's sources (`resources.engine`): the capture plan for the engine workers, the held-out
+    shards they write, and the `RemoteFeatureSource` the trainer reads (`peagle.target.remote`)."""
+    from peagle.target.remote import (
+        RemoteFeatureSource,
+        capture_plan,
+        eval_dir,
+        remote_dir,
+        wait_for_eval,
+        write_plan,
+    )
+    from peagle.target.sources import OfflineFeatureSource
+    from peagle.train.optim import total_steps
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise EngineError("resources.engine streams features to one trainer process: run its trainer on one GPU")
+    mbs, seed = spec.optim.micro_batch_size, spec.optim.seed
+    nb = -(-len(prepared.train) // mbs)
+    total = min(total_steps(spec.optim, nb) * spec.optim.grad_accumulation, spec.optim.epochs * nb)
+    replicas = spec.resources.engine.replicas
+    chunk = max(1, min(32, total // (4 * replicas)))
+    plan = capture_plan(num_rows=len(prepared.train), pack_length=int(prepared.train.input_ids.shape[1]),
+                        hidden_size=int(target.config.hidden_size), micro_batch_size=mbs, seed=seed,
+                        total_micro_batches=total, aux_layer_ids=list(aux_ids), chunk_micro_batches=chunk)
+    plan["spec"] = spec.model_dump(mode="json")
+    plan["selected"] = None if selected is None else [int(i) for i in selected.tolist()]
+    d = remote_dir(run)
+    write_plan(d, plan, prepared.train, prepared.eval if len(prepared.eval) else None)
+    sink.log("info", f"capture on engine workers: {total} micro-batches in {len(plan['chunks'])} chunks, at most "
+                     f"{replicas} at once")
+    head = target.parts.get_output_embeddings()
+    weight, bias = head.weight.detach(), getattr(head, "bias", None)
+    bias = None if bias is None else bias.detach()
+    if selected is not None:
+        weight = weight.index_select(0, selected.long()).contiguous()
+        bias = None if bias is None else bias.index_select(0, selected.long())
+    eval_source = None
+    if len(prepared.eval):
+        wait_for_eval(d)
+        eval_source = OfflineFeatureSource(eval_dir(d), mbs, seed)
+    (run / "data" / ENGINE_DONE).write_text("ok\n")
+    source = RemoteFeatureSource(d, head_weight=weight, head_bias=bias,
+                                 disk_budget_bytes=spec.resources.feature_disk_gb * 1e9)
+    return source, eval_source
 
 
 def _complete(out: Path) -> bool:

@@ -397,3 +397,32 @@ class PromotionDecision(Base):
     batch_sizes: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
     numbers: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)  # {"child": ..., "current": ...}
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class EngineTask(Base):
+    """One chunk task of a job split over engine workers (`resources.engine`, issue 37): which chunk
+    (`kind`: capture or eval; `index`; the trainer's stream `generation`), its Celery task, the engine
+    worker that runs it (`worker`, `gpus`), its lease (`heartbeat_at`, `lease_expires_at`: a lost one is
+    sent again), `attempts`, and what it did (`tokens`, `seconds`)."""
+
+    __tablename__ = "engine_task"
+    __table_args__ = (sa.UniqueConstraint("job_id", "kind", "index", name="uq_engine_task_job_id_kind_index"),)
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(sa.ForeignKey("job.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(sa.String(16))
+    index: Mapped[int] = mapped_column(sa.Integer)
+    generation: Mapped[int] = mapped_column(sa.Integer, default=0)
+    state: Mapped[str] = mapped_column(sa.String(16), default="sent")  # sent|running|done|failed|stopped
+    celery_task_id: Mapped[str | None] = mapped_column(sa.String(64), default=None)
+    worker: Mapped[str | None] = mapped_column(sa.String(200), default=None)
+    gpus: Mapped[int] = mapped_column(sa.Integer, default=0)
+    attempts: Mapped[int] = mapped_column(sa.Integer, default=0)
+    tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    seconds: Mapped[float] = mapped_column(sa.Float, default=0.0)
+    sent_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str | None] = mapped_column(sa.Text, default=None)

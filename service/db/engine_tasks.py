@@ -1,0 +1,128 @@
+"""The chunk tasks of a split job (`resources.engine`, issue 37): the dispatcher's and engine workers' writes.
+
+    to_send, failed = plan_sends(s, job_id, kind="capture", pending=[3, 4], generation=2, replicas=2,
+                                 lease_seconds=60, max_attempts=3)      # the trainer worker's supervisor
+    start_chunk(s, job_id, "capture", 3, generation=2, worker="w1", gpus=0, lease_seconds=60)  # engine worker
+    beat_chunk(s, ...)  /  end_chunk(s, ..., state="done", tokens=..., seconds=...)
+    task_rows(s, job_id)                                                  # the API's view
+
+A row per (job, kind, index), rewritten for each generation of the trainer's stream. In flight: `sent`
+(queued to Celery) or `running` (an engine worker has it; its lease is extended while it works). A
+`running` row whose lease lapsed is `lost` and sent again (another engine worker redoes the chunk from
+its start; its results are written whole, so a half-written chunk is never read). Functions take a
+`Session` and leave commit to the caller. Torch-free.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from service.db.models import EngineTask, Job, utcnow
+
+__all__ = ["IN_FLIGHT", "beat_chunk", "end_chunk", "job_control", "plan_sends", "start_chunk", "stop_chunks",
+           "task_rows"]
+
+IN_FLIGHT = ("sent", "running")
+
+
+def _row(s: Session, job_id: str, kind: str, index: int) -> EngineTask | None:
+    return s.scalars(sa.select(EngineTask).where(EngineTask.job_id == job_id, EngineTask.kind == kind,
+                                                 EngineTask.index == index).with_for_update()).first()
+
+
+def plan_sends(s: Session, job_id: str, *, kind: str, pending: list[int], generation: int, replicas: int,
+               lease_seconds: float, max_attempts: int, now: datetime | None = None) -> tuple[list[int], list[int]]:
+    """(chunks to send now, chunks that failed `max_attempts` times) for the `pending` chunks of the
+    trainer's current `generation`, keeping at most `replicas` in flight. Rows are written as `sent`."""
+    now = now or utcnow()
+    rows = {r.index: r for r in s.scalars(sa.select(EngineTask).where(
+        EngineTask.job_id == job_id, EngineTask.kind == kind).with_for_update())}
+    in_flight = 0
+    for row in rows.values():
+        if row.state == "running" and row.lease_expires_at is not None and row.lease_expires_at < now:
+            row.state, row.error = "lost", "its engine worker stopped heartbeating"
+        elif row.state in IN_FLIGHT and row.generation == generation:
+            in_flight += 1
+    send, failed = [], []
+    for i in pending:
+        r = rows.get(i)
+        if r is not None and r.generation == generation and r.state in IN_FLIGHT:
+            continue
+        if r is not None and r.generation == generation and r.attempts >= max_attempts:
+            failed.append(i)
+            continue
+        if in_flight >= replicas:
+            break
+        if r is None:
+            r = EngineTask(job_id=job_id, kind=kind, index=i, attempts=0, gpus=0, tokens=0, seconds=0.0)
+            s.add(r)
+            rows[i] = r
+        elif r.generation != generation:
+            r.attempts = 0
+        r.generation, r.state, r.sent_at, r.worker, r.finished_at = generation, "sent", now, None, None
+        in_flight += 1
+        send.append(i)
+    return send, failed
+
+
+def start_chunk(s: Session, job_id: str, kind: str, index: int, *, worker: str, gpus: int, lease_seconds: float,
+                now: datetime | None = None) -> int | None:
+    """An engine worker takes the chunk: its generation, or None when it must not run it (not sent, done,
+    or running on another worker whose lease holds)."""
+    now = now or utcnow()
+    r = _row(s, job_id, kind, index)
+    if r is None or r.state not in ("sent", "lost", "running"):
+        return None
+    if r.state == "running" and r.worker != worker and r.lease_expires_at is not None and r.lease_expires_at >= now:
+        return None
+    r.state, r.worker, r.gpus, r.attempts = "running", worker, gpus, r.attempts + 1
+    r.started_at = r.heartbeat_at = now
+    r.lease_expires_at = now + timedelta(seconds=lease_seconds)
+    return int(r.generation)
+
+
+def beat_chunk(s: Session, job_id: str, kind: str, index: int, *, worker: str, lease_seconds: float,
+               now: datetime | None = None) -> bool:
+    """Extend the chunk's lease; False when the chunk is no longer this worker's (stopped, given away)."""
+    now = now or utcnow()
+    r = _row(s, job_id, kind, index)
+    if r is None or r.state != "running" or r.worker != worker:
+        return False
+    r.heartbeat_at, r.lease_expires_at = now, now + timedelta(seconds=lease_seconds)
+    return True
+
+
+def end_chunk(s: Session, job_id: str, kind: str, index: int, *, worker: str, state: str, tokens: int = 0,
+              seconds: float = 0.0, error: str | None = None, now: datetime | None = None) -> None:
+    """Record the chunk's end by `worker` (`done`, `failed` or `stopped`), unless it was given away."""
+    r = _row(s, job_id, kind, index)
+    if r is None or r.worker != worker or r.state != "running":
+        return
+    r.state, r.tokens, r.seconds, r.error, r.finished_at = state, int(tokens), float(seconds), error, now or utcnow()
+
+
+def stop_chunks(s: Session, job_id: str) -> int:
+    """The job ended (or its attempt did): every chunk in flight is `stopped` (engine workers see it)."""
+    res = s.execute(sa.update(EngineTask).where(EngineTask.job_id == job_id, EngineTask.state.in_(IN_FLIGHT))
+                    .values(state="stopped", finished_at=utcnow()))
+    return int(getattr(res, "rowcount", 0) or 0)
+
+
+def job_control(s: Session, job_id: str, kind: str, index: int, *, worker: str) -> bool:
+    """Whether the engine worker may go on with the chunk: the job runs, no pause or cancel is asked and
+    the chunk is still this worker's."""
+    job = s.get(Job, job_id)
+    if job is None or job.status != "running" or job.desired_state is not None:
+        return False
+    r = s.scalars(sa.select(EngineTask).where(EngineTask.job_id == job_id, EngineTask.kind == kind,
+                                              EngineTask.index == index)).first()
+    return r is not None and r.state == "running" and r.worker == worker
+
+
+def task_rows(s: Session, job_id: str) -> list[EngineTask]:
+    """The job's chunk tasks, in (kind, index) order."""
+    return list(s.scalars(sa.select(EngineTask).where(EngineTask.job_id == job_id)
+                          .order_by(EngineTask.kind, EngineTask.index)))

@@ -1,0 +1,185 @@
+"""The engine side of a split job (`resources.engine`, issue 37): the Celery task `peagle.engine_chunk`.
+
+    peagle.engine_chunk(job_id, kind, index)    # kind: capture (micro-batches) or eval (held-out shards)
+
+An engine worker (`python -m worker --role engine`) runs it in its main process (the `solo` pool,
+`service.queue.ENGINE_DELIVERY`): the task takes the chunk in the database (`service.db.engine_tasks`: its
+own lease), gets the capture engine the job's plan needs from `WarmEngine` (started once, kept between
+chunks of the same configuration, `peagle.target.remote.engine_key`), runs the chunk on the shared volume
+(`peagle.target.remote.run_capture_chunk`: results written whole, then the chunk's marker) and records
+tokens and seconds. Between micro-batches it extends its lease and stops when the job is paused,
+cancelled or over, or the chunk was given to another worker; a pause or cancel also stops its engine.
+
+`vllm serve` is started through `peagle.engine` (its guard dies with this process), so a killed engine
+worker leaves no engine behind; `WarmEngine` stops it `engine_keep_warm_seconds` after the last chunk,
+when a chunk needs another configuration, and when the worker shuts down (`stop_warm_engine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from service.db.engine_tasks import beat_chunk, end_chunk, job_control, start_chunk
+from service.db.session import make_engine, make_session_factory, session_scope
+from service.settings import Settings
+
+__all__ = ["WarmEngine", "run_chunk", "stop_warm_engine"]
+
+log = logging.getLogger(__name__)
+
+
+class WarmEngine:
+    """The one capture engine of this engine worker, kept warm between chunks of the same key."""
+
+    def __init__(self, keep_warm_s: float) -> None:
+        self.keep_warm_s = keep_warm_s
+        self.key: str | None = None
+        self.engine: Any = None  # a `peagle.target.remote.CaptureEngine`
+        self.idle_since: float | None = None
+        self._lock = threading.Lock()
+        self._timer: threading.Thread | None = None
+        self.starts = 0
+
+    def get(self, key: str, start: Any) -> Any:
+        """The engine for `key` (`start()` builds one when the warm one is another's or none is warm)."""
+        with self._lock:
+            self.idle_since = None
+            if self.engine is not None and self.key == key and self.engine.server.proc is not None:
+                return self.engine
+            self._stop_locked()
+            self.engine, self.key = start(), key
+            self.starts += 1
+            return self.engine
+
+    def release(self) -> None:
+        """The chunk is over: the engine idles; a watcher stops it after `keep_warm_s`."""
+        with self._lock:
+            self.idle_since = time.monotonic()
+            if self._timer is None or not self._timer.is_alive():
+                self._timer = threading.Thread(target=self._watch, name="peagle-warm-engine", daemon=True)
+                self._timer.start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, max(self.keep_warm_s, 0.05)))
+            with self._lock:
+                if self.engine is None:
+                    return
+                if self.idle_since is not None and time.monotonic() - self.idle_since >= self.keep_warm_s:
+                    log.info("warm engine idle for %.0f s: stopped", self.keep_warm_s)
+                    self._stop_locked()
+                    return
+
+    def _stop_locked(self) -> None:
+        eng, self.engine, self.key = self.engine, None, None
+        if eng is not None:
+            eng.stop()
+
+    def stop(self) -> None:
+        """Stop the engine now (idempotent)."""
+        with self._lock:
+            self._stop_locked()
+
+
+#: The worker process's warm engine (set by `register`; the solo pool runs every chunk in this process).
+_WARM: list[WarmEngine] = []
+
+
+def warm_engine(settings: Settings) -> WarmEngine:
+    """This process's `WarmEngine` (made on first use)."""
+    if not _WARM:
+        _WARM.append(WarmEngine(settings.engine_keep_warm_seconds))
+    return _WARM[0]
+
+
+def stop_warm_engine(**_: object) -> None:
+    """Celery's `worker_shutdown`: stop the warm engine."""
+    for w in _WARM:
+        w.stop()
+
+
+def _devices(gpus: int) -> str | None:
+    """The engine's CUDA_VISIBLE_DEVICES: the first `gpus` of this worker's (None: a CPU engine)."""
+    if gpus <= 0:
+        return None
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join((visible or [str(i) for i in range(gpus)])[:gpus])
+
+
+def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker: str | None = None,
+              warm: WarmEngine | None = None) -> str:
+    """Run one chunk of `job_id` on this engine worker; returns the chunk's final state (or `skipped`)."""
+    from peagle.target import remote
+
+    name = worker or f"{socket.gethostname()}:{os.getpid()}"
+    warm = warm or warm_engine(settings)
+    engine = make_engine(settings.resolved_database_url())
+    factory = make_session_factory(engine)
+    run = settings.resolved_artifact_root() / job_id
+    d = remote.remote_dir(run)
+    try:
+        plan = remote.read_plan(d)
+        gpus = int(((plan or {}).get("spec", {}).get("resources", {}).get("engine") or {}).get("gpus", 0))
+        with session_scope(factory) as s:
+            generation = start_chunk(s, job_id, kind, index, worker=name, gpus=gpus,
+                                     lease_seconds=settings.lease_seconds)
+        if generation is None or plan is None:
+            log.info("job %s chunk %s/%s: not this worker's (done, stopped or running elsewhere): skipped",
+                     job_id, kind, index)
+            return "skipped"
+        last_beat = [time.monotonic()]
+        cancelled = [False]
+
+        def should_stop() -> bool:
+            if time.monotonic() - last_beat[0] < min(settings.heartbeat_seconds, 2.0):
+                return False
+            last_beat[0] = time.monotonic()
+            with session_scope(factory) as s:
+                go = job_control(s, job_id, kind, index, worker=name) and beat_chunk(
+                    s, job_id, kind, index, worker=name, lease_seconds=settings.lease_seconds)
+            cancelled[0] = not go
+            return not go
+
+        def start() -> Any:
+            storage = Path(settings.home).resolve() / "engine" / f"capture-{os.getpid()}"
+            return remote.start_capture_engine(plan, storage_dir=storage, log_path=run / "logs" / f"engine-{name.replace(':', '-')}.log",
+                                               devices=_devices(gpus))
+
+        try:
+            capture = warm.get(remote.engine_key(plan), start).capture(plan)
+            if kind == "eval":
+                import torch
+
+                dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+                    str(plan["spec"]["target"].get("dtype")), torch.bfloat16)
+                stats: dict[str, Any] | None = remote.run_eval_chunk(d, capture, aux_dtype=dtype, worker=name)
+            else:
+                stats = remote.run_capture_chunk(d, index, capture, worker=name, should_stop=should_stop)
+        except Exception as exc:  # the task boundary: recorded, the dispatcher re-sends or fails the job
+            log.exception("job %s chunk %s/%s failed", job_id, kind, index)
+            warm.stop()
+            with session_scope(factory) as s:
+                end_chunk(s, job_id, kind, index, worker=name, state="failed",
+                          error=f"{type(exc).__name__} (details in the engine worker's log)")
+            return "failed"
+        if stats is None:
+            if cancelled[0]:
+                warm.stop()  # a pause or cancel leaves no engine running
+            with session_scope(factory) as s:
+                end_chunk(s, job_id, kind, index, worker=name, state="stopped")
+            return "stopped"
+        warm.release()
+        with session_scope(factory) as s:
+            end_chunk(s, job_id, kind, index, worker=name, state="done", tokens=int(stats["tokens"]),
+                      seconds=float(stats["seconds"]))
+        return "done"
+    finally:
+        with contextlib.suppress(Exception):
+            engine.dispose()
