@@ -110,9 +110,8 @@ async function refresh() {
   ]);
   const pending = job.status === "succeeded" && job.spec.draft && job.spec.draft.init_from
     && !decisions.some((d) => d.job_id === job.id);
-  $("#promotion-state", root).replaceChildren(currentBox(job, current),
-    pending ? h("div", { class: "sub" }, "A retrain child's promotion is measured after it succeeds: the decision appears here.") : null,
-    decisionList(decisions));
+  const note = pending ? [h("div", { class: "sub" }, "A retrain child's promotion is measured after it succeeds: the decision appears here.")] : [];
+  $("#promotion-state", root).replaceChildren(currentBox(job, current), ...note, decisionList(decisions));
   return pending;
 }
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from playwright.sync_api import expect
 
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, shot
 
 pytestmark = pytest.mark.e2e
 
@@ -84,6 +84,8 @@ def test_retrain_force_promote_and_undo_from_the_job_page(page: object, server: 
     expect(table.locator("tr", has_text="AL")).to_contain_text("2.41")
     expect(table.locator("tr", has_text="AL")).to_contain_text("2.45")
     expect(pg.locator("#retrain")).to_contain_text("Retrain is possible once the job has succeeded")  # type: ignore[attr-defined]
+    assert "null" not in pg.locator("#promotion-state").inner_text()  # type: ignore[attr-defined]
+    shot(pg, "job_promotion_decision")
 
     pg.goto(f"/job.html?id={parent}")  # type: ignore[attr-defined]
     pg.locator("#retrain").get_by_role("button", name="Undo the last promotion").click()  # type: ignore[attr-defined]
