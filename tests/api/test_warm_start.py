@@ -45,6 +45,9 @@ def test_a_job_warm_starts_from_the_owners_job_and_shows_its_parent(client, alic
     assert r.status_code == 201, r.text
     assert r.json()["parent"]["step"] == 4
     assert client.get(f"/v1/jobs/{parent}", headers=alice).json()["parent"] is None
+    dry = client.post("/v1/jobs?dry_run=true", headers=alice,
+                      json={"preset": "tiny", "overrides": {"draft": {"init_from": f"job:{parent}"}}})
+    assert dry.status_code == 200 and dry.json()["valid"] is True, dry.text
 
 
 def test_another_owners_job_is_not_found(client, alice, bob, parent) -> None:
