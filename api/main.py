@@ -180,9 +180,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="P-EAGLE training service", version="1", description=DESCRIPTION, lifespan=lifespan,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     install_error_handlers(app)
-    from api.routes import auth, checkpoints, datasets, drafts, jobs, meta, promotion, streams, webhooks
+    from api.routes import (
+        auth,
+        checkpoints,
+        datasets,
+        drafts,
+        jobs,
+        meta,
+        promotion,
+        streams,
+        tasks,
+        webhooks,
+    )
 
-    for module in (jobs, meta, auth, streams, checkpoints, datasets, drafts, webhooks, promotion):  # jobs first
+    for module in (jobs, meta, auth, streams, checkpoints, datasets, drafts, webhooks, promotion, tasks):  # jobs first
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware)  # before routing: no unbounded or unauthenticated body is read
     app.add_middleware(RetryMiddleware)  # inside the metrics: they count the retried answer

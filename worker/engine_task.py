@@ -134,18 +134,24 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
             log.info("job %s chunk %s/%s: not this worker's (done, stopped or running elsewhere): skipped",
                      job_id, kind, index)
             return "skipped"
-        last_beat = [time.monotonic()]
-        cancelled = [False]
+        stop = threading.Event()  # the chunk must stop: job paused, cancelled or over, chunk given away
+        done = threading.Event()
 
-        def should_stop() -> bool:
-            if time.monotonic() - last_beat[0] < min(settings.heartbeat_seconds, 2.0):
-                return False
-            last_beat[0] = time.monotonic()
-            with session_scope(factory) as s:
-                go = job_control(s, job_id, kind, index, worker=name) and beat_chunk(
-                    s, job_id, kind, index, worker=name, lease_seconds=settings.lease_seconds)
-            cancelled[0] = not go
-            return not go
+        def beat() -> None:  # the chunk's lease, extended while it runs (the engine's start included)
+            while not done.wait(settings.heartbeat_seconds):
+                try:
+                    with session_scope(factory) as s:
+                        go = job_control(s, job_id, kind, index, worker=name) and beat_chunk(
+                            s, job_id, kind, index, worker=name, lease_seconds=settings.lease_seconds)
+                except Exception as exc:  # noqa: BLE001 - the database may come back before the lease lapses
+                    log.warning("job %s chunk %s/%s: heartbeat failed (%s)", job_id, kind, index, exc)
+                    continue
+                if not go:
+                    stop.set()
+                    return
+
+        beater = threading.Thread(target=beat, name="peagle-chunk-lease", daemon=True)
+        beater.start()
 
         def start() -> Any:
             storage = Path(settings.home).resolve() / "engine" / f"capture-{os.getpid()}"
@@ -161,16 +167,18 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
                     str(plan["spec"]["target"].get("dtype")), torch.bfloat16)
                 stats: dict[str, Any] | None = remote.run_eval_chunk(d, capture, aux_dtype=dtype, worker=name)
             else:
-                stats = remote.run_capture_chunk(d, index, capture, worker=name, should_stop=should_stop)
+                stats = remote.run_capture_chunk(d, index, capture, worker=name, should_stop=stop.is_set)
         except Exception as exc:  # the task boundary: recorded, the dispatcher re-sends or fails the job
+            done.set()
             log.exception("job %s chunk %s/%s failed", job_id, kind, index)
             warm.stop()
             with session_scope(factory) as s:
                 end_chunk(s, job_id, kind, index, worker=name, state="failed",
                           error=f"{type(exc).__name__} (details in the engine worker's log)")
             return "failed"
+        done.set()
         if stats is None:
-            if cancelled[0]:
+            if stop.is_set():
                 warm.stop()  # a pause or cancel leaves no engine running
             with session_scope(factory) as s:
                 end_chunk(s, job_id, kind, index, worker=name, state="stopped")

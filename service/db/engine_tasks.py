@@ -65,6 +65,7 @@ def plan_sends(s: Session, job_id: str, *, kind: str, pending: list[int], genera
         r.generation, r.state, r.sent_at, r.worker, r.finished_at = generation, "sent", now, None, None
         in_flight += 1
         send.append(i)
+    s.flush()  # the caller's next query sees these rows (sessions do not autoflush)
     return send, failed
 
 
