@@ -3,6 +3,7 @@ import { actionAllowed, api, isTerminal, loadMeta, openStream } from "./api.js";
 import { LineChart, linesFor, MetricStore, PALETTE, throttle } from "./charts.js";
 import { renderCheckpoints } from "./checkpoints.js";
 import { renderJobFunnel } from "./funnel.js";
+import { renderJobTasks } from "./tasks.js";
 import { CHARTS } from "./metrics.js";
 import { $, confirmDialog, fmtAgo, fmtDuration, fmtTime, h, mountTopbar, progressBar, showError, statusChip, tagList, toast } from "./ui.js";
 
@@ -288,6 +289,7 @@ async function refreshJob() {
     job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
     renderHead();
     renderTimeline();
+    renderJobTasks(job);
     if (!prev || prev.latest_checkpoint_step !== job.latest_checkpoint_step || prev.best_checkpoint_step !== job.best_checkpoint_step) refreshCheckpoints();
     $("#spec").textContent = JSON.stringify({ resolved_spec: job.resolved_spec || null, spec: job.spec, provenance: job.provenance || null }, null, 2);
     if (isTerminal(META, job.status) && !(prev && isTerminal(META, prev.status)) && window.__peagle.ready) drawCharts();
