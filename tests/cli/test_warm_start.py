@@ -68,15 +68,17 @@ def test_the_initial_weights_are_the_exports(runs, tiny_target_path) -> None:
     parent, _ = runs
     target = AutoModelForCausalLM.from_pretrained(str(tiny_target_path), dtype=torch.float32)
     spec = preset("tiny").model_copy(deep=True)
-    spec.draft.init_from = str(_best(parent))  # a checkpoint folder works as the export it holds
-    warm = warm_start(spec, target.config.to_dict(), target.config.vocab_size)
-    draft = build_initial_draft(spec, target, warm.vocab, warm.mask_token_id, [1, 2, 3], init_weights=warm.state)
-    export = load_file(str(_best(parent) / "model.safetensors"))
-    own = draft.state_dict()
-    assert set(own) == set(export)
-    for name, t in export.items():
-        assert torch.equal(own[name], t.to(own[name].dtype)), name
-    assert draft.config.mask_token_id == warm.mask_token_id
+    for folder in (parent / "export", _best(parent)):  # an export folder, or a checkpoint folder (it holds one)
+        spec.draft.init_from = str(folder)
+        warm = warm_start(spec, target.config.to_dict(), target.config.vocab_size)
+        draft = build_initial_draft(spec, target, warm.vocab, warm.mask_token_id, [1, 2, 3],
+                                    init_weights=warm.state)
+        export = load_file(str(folder / "model.safetensors"))
+        own = draft.state_dict()
+        assert set(own) == set(export)
+        for name, t in export.items():
+            assert torch.equal(own[name], t.to(own[name].dtype)), (folder, name)
+        assert draft.config.mask_token_id == warm.mask_token_id
     # from scratch (no init_weights) the same call gives other weights: the test would see a lost load
     fresh = build_initial_draft(spec, target, warm.vocab, warm.mask_token_id, [1, 2, 3]).state_dict()
     assert not torch.equal(fresh["fc.weight"], export["fc.weight"].to(torch.float32))
@@ -108,7 +110,7 @@ def test_a_source_that_does_not_fit_is_refused_naming_the_field(runs, tiny_targe
 
 
 def test_a_resume_continues_from_the_runs_own_checkpoint(runs, tmp_path) -> None:
-    parent, child = runs
+    _, child = runs
     again = tmp_path / "child"
     shutil.copytree(child, again)
     last = max(_metrics(child))
