@@ -9,14 +9,19 @@ tokens/s against the verifier alone).
 The child BEATS the current draft when, at EVERY batch size the owner named:
 
     speedup(child, b) > speedup(current, b) * (1 + min_gain)     (each side's best K at b)
+    and in every round r: ratio_r(child, b) > ratio_r(current, b)   (when both sides have the same rounds)
+
+(the rounds pair up: in round r both drafts ran back to back, so a gain must hold in each pair, not only
+in the medians: as `peagle.eval.speedup` recommends a K only where it was faster in every round, one
+disturbed round cannot promote a draft)
 
 and the child's AL (first prompt set) is not lower than the current's beyond noise:
 
     AL(child) >= AL(current) * (1 - al_tolerance)
 
 Worked example (min_gain 0, al_tolerance 0.02, batch sizes [1, 8]): child 1.30x at batch 1 (K 3) and
-1.05x at batch 8 (K 2), AL 2.41; current 1.22x and 1.01x, AL 2.45: 1.30 > 1.22, 1.05 > 1.01 and
-2.41 >= 2.45 * 0.98 = 2.401, so the child is promoted. With the child at 0.99x at batch 8 it is declined
+1.05x at batch 8 (K 2), AL 2.41; current 1.22x and 1.01x, AL 2.45 (one round each): 1.30 > 1.22,
+1.05 > 1.01 and 2.41 >= 2.45 * 0.98 = 2.401, so the child is promoted. With the child at 0.99x at batch 8 it is declined
 ("batch 8: 0.99x, the current draft 1.01x").
 
 A batch size either side lacks, or a side with no numbers at all, makes the decision `not_measured`
@@ -52,14 +57,15 @@ class Decision:
 
 
 def best_speedup(numbers: Mapping[str, Any] | None, batch_size: int) -> dict[str, Any] | None:
-    """The fastest K's row at `batch_size` in `numbers["serving"]["table"]` as `{"speedup", "k"}`; None
-    when that batch size was not measured."""
+    """The fastest K's row at `batch_size` in `numbers["serving"]["table"]` as `{"speedup", "k",
+    "per_round"}`; None when that batch size was not measured."""
     table = ((numbers or {}).get("serving") or {}).get("table") or []
     rows = [r for r in table if int(r.get("batch_size", -1)) == int(batch_size) and r.get("speedup") is not None]
     if not rows:
         return None
     best = max(rows, key=lambda r: (float(r["speedup"]), -int(r["num_speculative_tokens"])))
-    return {"speedup": float(best["speedup"]), "k": int(best["num_speculative_tokens"])}
+    per_round = [float(x) for x in best.get("speedup_per_round") or [best["speedup"]]]
+    return {"speedup": float(best["speedup"]), "k": int(best["num_speculative_tokens"]), "per_round": per_round}
 
 
 def decide(child: Mapping[str, Any] | None, current: Mapping[str, Any] | None, batch_sizes: Sequence[int], *,
@@ -90,6 +96,11 @@ def decide(child: Mapping[str, Any] | None, current: Mapping[str, Any] | None, b
                             f"{'the child' if c is None else 'the current draft'}", rows)
         if not c["speedup"] > cur["speedup"] * (1.0 + min_gain):
             losses.append(f"batch {b}: {c['speedup']:.2f}x, the current draft {cur['speedup']:.2f}x")
+        elif len(c["per_round"]) == len(cur["per_round"]) and not all(
+                x > y for x, y in zip(c["per_round"], cur["per_round"], strict=True)):
+            lost = sum(1 for x, y in zip(c["per_round"], cur["per_round"], strict=True) if x <= y)
+            losses.append(f"batch {b}: {c['speedup']:.2f}x vs the current draft's {cur['speedup']:.2f}x, but not "
+                          f"faster in {lost} of {len(c['per_round'])} rounds (within the noise)")
     al_c, al_cur = child.get("acceptance_length"), current.get("acceptance_length")
     if not isinstance(al_c, int | float) or not isinstance(al_cur, int | float):
         return Decision("not_measured", "acceptance length not measured for both drafts", rows)

@@ -9,10 +9,15 @@ import pytest
 from peagle.eval.promotion import best_speedup, decide
 
 
-def numbers(al: float, speedups: dict[tuple[int, int], float]) -> dict[str, Any]:
-    """A side's numbers: AL and a serving table with one row per (K, batch size)."""
-    return {"acceptance_length": al, "serving": {"table": [
-        {"num_speculative_tokens": k, "batch_size": b, "speedup": s} for (k, b), s in speedups.items()]}}
+def numbers(al: float, speedups: dict[tuple[int, int], float | list[float]]) -> dict[str, Any]:
+    """A side's numbers: AL and a serving table with one row per (K, batch size) (a list: one ratio per
+    round, the speedup their median)."""
+    def row(k: int, b: int, s: float | list[float]) -> dict[str, Any]:
+        rounds = s if isinstance(s, list) else [s]
+        return {"num_speculative_tokens": k, "batch_size": b, "speedup": sorted(rounds)[len(rounds) // 2],
+                "speedup_per_round": rounds}
+
+    return {"acceptance_length": al, "serving": {"table": [row(k, b, s) for (k, b), s in speedups.items()]}}
 
 
 def test_the_docstrings_example_is_promoted_and_the_slower_child_declined() -> None:
@@ -47,6 +52,13 @@ def test_equal_speed_is_not_a_win_and_min_gain_raises_the_bar() -> None:
     assert decide(numbers(2.0, {(2, 1): 1.20}), current, [1], min_gain=0.05).decision == "promoted"
 
 
+def test_a_win_of_the_medians_that_one_round_contradicts_is_noise() -> None:
+    current = numbers(2.0, {(2, 1): [1.00, 1.10, 1.05]})
+    d = decide(numbers(2.0, {(2, 1): [1.20, 1.02, 1.15]}), current, [1])  # median 1.15 > 1.05, round 2 lost
+    assert d.decision == "declined" and "not faster in 1 of 3 rounds" in d.reason
+    assert decide(numbers(2.0, {(2, 1): [1.20, 1.12, 1.15]}), current, [1]).decision == "promoted"
+
+
 def test_what_was_not_measured_decides_nothing() -> None:
     current = numbers(2.0, {(2, 1): 1.0})
     assert decide(None, current, [1]).decision == "not_measured"
@@ -59,5 +71,5 @@ def test_what_was_not_measured_decides_nothing() -> None:
 
 def test_best_speedup_takes_the_fastest_k_and_the_smaller_k_on_a_tie() -> None:
     n = numbers(2.0, {(1, 4): 1.1, (2, 4): 1.3, (3, 4): 1.3})
-    assert best_speedup(n, 4) == {"speedup": 1.3, "k": 2}
+    assert best_speedup(n, 4) == {"speedup": 1.3, "k": 2, "per_round": [1.3]}
     assert best_speedup(n, 1) is None
