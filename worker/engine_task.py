@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.db.engine_tasks import beat_chunk, end_chunk, job_control, start_chunk
+from service.db.engine_tasks import beat_chunk, end_chunk, job_control, job_stopping, start_chunk
 from service.db.session import make_engine, make_session_factory, session_scope
 from service.settings import Settings
 
@@ -43,6 +43,7 @@ class WarmEngine:
         self.key: str | None = None
         self.engine: Any = None  # a `peagle.target.remote.CaptureEngine`
         self.idle_since: float | None = None
+        self.stop_if: Any = None  # asked while idle: True stops the engine (its job was paused or cancelled)
         self._lock = threading.Lock()
         self._timer: threading.Thread | None = None
         self.starts = 0
@@ -58,10 +59,12 @@ class WarmEngine:
             self.starts += 1
             return self.engine
 
-    def release(self) -> None:
-        """The chunk is over: the engine idles; a watcher stops it after `keep_warm_s`."""
+    def release(self, stop_if: Any = None) -> None:
+        """The chunk is over: the engine idles; a watcher stops it after `keep_warm_s`, or as soon as
+        `stop_if()` says so (the job it last served was paused or cancelled)."""
         with self._lock:
             self.idle_since = time.monotonic()
+            self.stop_if = stop_if
             if self._timer is None or not self._timer.is_alive():
                 self._timer = threading.Thread(target=self._watch, name="peagle-warm-engine", daemon=True)
                 self._timer.start()
@@ -72,8 +75,18 @@ class WarmEngine:
             with self._lock:
                 if self.engine is None:
                     return
-                if self.idle_since is not None and time.monotonic() - self.idle_since >= self.keep_warm_s:
+                if self.idle_since is None:
+                    continue
+                if time.monotonic() - self.idle_since >= self.keep_warm_s:
                     log.info("warm engine idle for %.0f s: stopped", self.keep_warm_s)
+                    self._stop_locked()
+                    return
+                try:
+                    stop = bool(self.stop_if()) if self.stop_if is not None else False
+                except Exception:  # noqa: BLE001 - the database may be away: ask again next second
+                    stop = False
+                if stop:
+                    log.info("the job of the warm engine's last chunk was paused or cancelled: engine stopped")
                     self._stop_locked()
                     return
 
@@ -111,6 +124,15 @@ def _devices(gpus: int) -> str | None:
         return None
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     return ",".join((visible or [str(i) for i in range(gpus)])[:gpus])
+
+
+def _job_stopping(settings: Settings, job_id: str) -> bool:
+    engine = make_engine(settings.resolved_database_url())
+    try:
+        with session_scope(make_session_factory(engine)) as s:
+            return job_stopping(s, job_id)
+    finally:
+        engine.dispose()
 
 
 def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker: str | None = None,
@@ -183,7 +205,7 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
             with session_scope(factory) as s:
                 end_chunk(s, job_id, kind, index, worker=name, state="stopped")
             return "stopped"
-        warm.release()
+        warm.release(lambda: _job_stopping(settings, job_id))
         with session_scope(factory) as s:
             end_chunk(s, job_id, kind, index, worker=name, state="done", tokens=int(stats["tokens"]),
                       seconds=float(stats["seconds"]))

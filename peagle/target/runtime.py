@@ -262,13 +262,14 @@ def _remote_sources(target: TargetRuntime, spec: Any, prepared: Any, run: Path, 
     if selected is not None:
         weight = weight.index_select(0, selected.long()).contiguous()
         bias = None if bias is None else bias.index_select(0, selected.long())
+    source = RemoteFeatureSource(d, head_weight=weight, head_bias=bias,
+                                 disk_budget_bytes=spec.resources.feature_disk_gb * 1e9)
+    source.restart(0)  # capture chunks run while the held-out ones do; a resumed trainer restarts at its batch
     eval_source = None
     if len(prepared.eval):
         wait_for_eval(d)
         eval_source = OfflineFeatureSource(eval_dir(d), mbs, seed)
     (run / "data" / ENGINE_DONE).write_text("ok\n")
-    source = RemoteFeatureSource(d, head_weight=weight, head_bias=bias,
-                                 disk_budget_bytes=spec.resources.feature_disk_gb * 1e9)
     return source, eval_source
 
 

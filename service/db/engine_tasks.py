@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import EngineTask, Job, utcnow
 
-__all__ = ["IN_FLIGHT", "beat_chunk", "end_chunk", "job_control", "plan_sends", "start_chunk", "stop_chunks",
+__all__ = ["IN_FLIGHT", "beat_chunk", "end_chunk", "job_control", "job_stopping", "plan_sends", "start_chunk", "stop_chunks",
            "task_rows"]
 
 IN_FLIGHT = ("sent", "running")
@@ -121,6 +121,13 @@ def job_control(s: Session, job_id: str, kind: str, index: int, *, worker: str) 
     r = s.scalars(sa.select(EngineTask).where(EngineTask.job_id == job_id, EngineTask.kind == kind,
                                               EngineTask.index == index)).first()
     return r is not None and r.state == "running" and r.worker == worker
+
+
+def job_stopping(s: Session, job_id: str) -> bool:
+    """Whether the job was paused, cancelled or failed (or is being): an engine kept warm for it stops."""
+    job = s.get(Job, job_id)
+    return job is None or job.desired_state is not None or job.status in (
+        "pausing", "paused", "cancelling", "cancelled", "failed")
 
 
 def task_rows(s: Session, job_id: str) -> list[EngineTask]:
