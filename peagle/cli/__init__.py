@@ -19,18 +19,21 @@ def _root() -> None:
 
 @app.command("fixtures")
 def fixtures_cmd(
-    which: str = typer.Argument("all", help="smollm2 | tiny | all"),
+    which: str = typer.Argument("all", help="smollm2 | tiny | parity | all"),
 ) -> None:
-    """Build the offline fixture folders (SmolLM2-135M-Instruct, tiny Llama) into the cache."""
+    """Build the offline fixture folders (SmolLM2-135M-Instruct, tiny Llama, the parity draft: a SmolLM2
+    draft trained for a few minutes) into the cache."""
     from peagle import builtin
 
-    if which not in ("smollm2", "tiny", "all"):
-        typer.echo(f"error: unknown fixture {which!r} (smollm2 | tiny | all)", err=True)
+    if which not in ("smollm2", "tiny", "parity", "all"):
+        typer.echo(f"error: unknown fixture {which!r} (smollm2 | tiny | parity | all)", err=True)
         raise typer.Exit(2)
     if which in ("smollm2", "all"):
         typer.echo(f"smollm2: {builtin.smollm2_dir()}")
     if which in ("tiny", "all"):
         typer.echo(f"tiny: {builtin.tiny_llama_dir()}")
+    if which in ("parity", "all"):
+        typer.echo(f"parity: {builtin.parity_draft_dir()}")
 
 
 from peagle.cli import run as cli_run  # noqa: E402 - train, export, eval, validate

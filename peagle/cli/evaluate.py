@@ -41,7 +41,7 @@ HEARTBEAT_S = 15.0
 PROBE_PREFIX = "peagle-probe: "
 
 #: The name of the parity record's prompt set among the sets vLLM measures.
-PARITY_SET = "parity"
+PARITY_SET = "(parity.json)"
 
 #: What a report drops when it is printed (token ids of every output).
 _BULKY = ("outputs", "counters")

@@ -1,0 +1,129 @@
+"""The served-parity gate on real broken exports (slow: real vLLM, one engine start per export).
+
+The parity draft (`peagle.builtin.parity_draft_dir`, built by `peagle fixtures`) is a SmolLM2 draft trained
+by the pipeline, whose export carries the reference decoder's per-position acceptance (`parity.json`). Copies
+of it are broken the ways drafts are mis-served in the field: aux layer ids off by one, `mask_hidden` zeroed,
+a norm flag that does not match training (`norm_before_fc` on for a draft trained without the norm; a
+dropped `false` flag is vLLM's default, the same model). `peagle eval --engine vllm` and the job's serve
+check must pass the good export and catch each broken one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peagle.errors import EXIT_CODES, ServedParityError
+from peagle.eval.parity import PARITY_FILE, read_parity
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def parity_draft() -> Path:
+    from peagle.builtin import parity_draft_dir
+    from peagle.eval.serve_check import vllm_python
+
+    if vllm_python() is None:
+        assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
+        pytest.skip("vLLM venv missing: run `make vllm-env`")
+    return parity_draft_dir()
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src / "export", dest)
+    return dest
+
+
+def _edit_config(export: Path, **changes: Any) -> None:
+    cfg = json.loads((export / "config.json").read_text())
+    cfg.update(changes)
+    (export / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def _zero_mask_hidden(export: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(export / "model.safetensors"))
+    state["mask_hidden"] = state["mask_hidden"].clone().zero_()
+    save_file(state, str(export / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _peagle_eval(export: Path, prompts: Path) -> subprocess.CompletedProcess[str]:
+    # the user's set: one prompt; the record's 8 prompts ride along in the same engine start (same K, tokens)
+    proc = subprocess.run([sys.executable, "-m", "peagle", "eval", str(export), "--engine", "vllm", "--prompts",
+                           str(prompts), "--num-prompts", "1", "--max-new-tokens", "32", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)  # fmt: skip
+    (export.parent / f"{export.name}.report.json").write_text(proc.stdout)  # beside the export, for a look
+    return proc
+
+
+def test_the_recorded_draft_accepts_well_enough_for_a_break_to_show(parity_draft: Path) -> None:
+    rec = read_parity(parity_draft / "export")
+    assert rec is not None and rec["num_speculative_tokens"] == 3 and rec["max_new_tokens"] == 32
+    assert len(rec["prompts"]) == 8 and rec["temperature"] == 0.0
+    # every position accepts far above the tolerance a drop must exceed (around 0.1-0.2 at these counts)
+    assert min(rec["per_position"]) >= 0.4, rec["per_position"]
+
+
+def test_peagle_eval_passes_the_good_export_and_exits_12_on_aux_ids_off_by_one(
+    parity_draft: Path, tmp_path: Path
+) -> None:
+    prompts = parity_draft / "data" / "prompts.jsonl"
+    good = _peagle_eval(_copy(parity_draft, tmp_path / "good"), prompts)
+    assert good.returncode == 0, good.stderr[-3000:]
+    report = json.loads(good.stdout)
+    assert report["parity"]["ok"] is True and report["parity"]["failed_positions"] == []
+    assert report["parity"]["parallel_drafting_ok"] is True
+
+    shifted = _copy(parity_draft, tmp_path / "aux")
+    ids = json.loads((shifted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    _edit_config(shifted, eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids])
+    bad = _peagle_eval(shifted, prompts)
+    assert bad.returncode == EXIT_CODES["served_parity_failed"], bad.stderr[-3000:]
+    parity = json.loads(bad.stdout)["parity"]  # the report is printed before the exit code says no
+    assert parity["ok"] is False and 0 in parity["failed_positions"]
+    error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
+    assert error and error[-1].startswith("error: served parity failed")
+    assert "position 0: vLLM" in error[-1] and "aux_hidden_state_layer_ids off by one" in error[-1]
+
+
+@pytest.mark.parametrize("breakage", ["mask_hidden_zeroed", "norm_before_fc_on"])
+def test_the_job_serve_check_fails_a_broken_export_and_keeps_its_results(
+    parity_draft: Path, smollm2_path: Path, smollm2_tokenizer: Any, tmp_path: Path, breakage: str
+) -> None:
+    from peagle.builtin import parity_draft_spec
+    from peagle.eval import final
+    from peagle.progress import RecordingSink
+    from peagle.spec import parse_spec
+
+    export = _copy(parity_draft, tmp_path / "export")
+    if breakage == "mask_hidden_zeroed":
+        _zero_mask_hidden(export)
+    else:
+        _edit_config(export, norm_before_fc=True)
+    rec = read_parity(export)
+    assert rec is not None
+    spec = parse_spec(parity_draft_spec(parity_draft / "data"))
+    sink = RecordingSink()
+    with pytest.raises(ServedParityError) as err:
+        final.serve_check(spec, export, smollm2_tokenizer, 3, sink, smollm2_path)
+    msg = str(err.value)
+    assert msg.startswith("served parity failed") and "Usual causes" in msg
+    saved = json.loads((export / "serve_check.json").read_text())["parity"]
+    assert saved["ok"] is False and saved["failed_positions"]
+    for pos in saved["failed_positions"]:
+        row = saved["positions"][pos]
+        assert f"position {pos}: vLLM {row['vllm']:.2f} vs reference {row['reference']:.2f}" in msg
+    if breakage == "mask_hidden_zeroed":  # position 0 never sees mask_hidden; the positions after it do
+        assert 0 not in saved["failed_positions"] and set(saved["failed_positions"]) & {1, 2}
+    # vLLM's numbers are recorded (on the checkpoint, through the eval event) before the phase fails
+    ev = next(r for r in sink.records if r.get("kind") == "eval")
+    assert ev["evaluation"]["parity"]["ok"] is False and (export / PARITY_FILE).is_file()
