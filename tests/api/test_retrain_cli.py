@@ -38,7 +38,8 @@ def test_retrain_and_promotion_from_the_command_line(settings_factory: Any, sim:
         paths = [s["path"] for s in child["spec"]["data"]["sources"]]
         assert paths[0].startswith("dataset:") and paths[1] == "builtin:sharegpt"
         with session_scope(sim.sessions) as s:
-            assert promotion.retrain_of(s, child["id"]).batch_sizes == [1, 8]
+            link = promotion.retrain_of(s, child["id"])
+            assert link is not None and link.batch_sizes == [1, 8]
 
         res = runner.invoke(cli_app, ["jobs", "retrain", child["id"], "--data", "builtin:sharegpt", *base])
         assert res.exit_code == 1 and "only a succeeded job can be retrained" in res.output, res.output
