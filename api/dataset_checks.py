@@ -21,12 +21,13 @@ import logging
 import sys
 from datetime import UTC, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
+from peagle.spec.schema import DataSource
 from service.db.models import Dataset, utcnow
 from service.settings import Settings
 
@@ -34,7 +35,8 @@ __all__ = ["FORMATS", "check_upload_allowed", "public_report", "run_validator"]
 
 log = logging.getLogger("peagle.api")
 
-FORMATS = ("auto", "sharegpt", "messages", "tokenized")
+#: The upload formats: the spec's `data.sources[].format` values (one source of truth).
+FORMATS: tuple[str, ...] = get_args(DataSource.model_fields["format"].annotation)
 VALIDATE_TIMEOUT_S = 300.0
 _HOUR = timedelta(hours=1)
 

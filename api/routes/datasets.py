@@ -37,8 +37,9 @@ _UPLOAD_SCHEMA = {
         "content": {"multipart/form-data": {"schema": {
             "type": "object", "required": ["file"],
             "properties": {"file": {"type": "string", "format": "binary",
-                                    "description": "ShareGPT JSON/JSONL, messages JSONL or tokenized JSONL"},
-                           "format": {"type": "string", "enum": ["auto", "sharegpt", "messages", "tokenized"]}},
+                                    "description": "ShareGPT JSON/JSONL, messages JSONL (OpenAI request bodies "
+                                                   "too), tokenized JSONL or a prompt list"},
+                           "format": {"type": "string", "enum": list(FORMATS)}},
         }}},
     }
 }

@@ -125,10 +125,11 @@ class DataSource(_Strict):
         max_length=1024,
         description="Local file path, `dataset:<id>` for an uploaded dataset, or `builtin:sharegpt`.",
     )
-    format: Literal["auto", "sharegpt", "messages", "tokenized"] = Field(
+    format: Literal["auto", "sharegpt", "messages", "tokenized", "prompt"] = Field(
         default="auto",
-        description="ShareGPT (`conversations` with from/value), `messages` JSONL (role/content), or "
-        "pre-tokenised JSONL (`input_ids` + `loss_mask`); auto detects from the first row.",
+        description="ShareGPT (`conversations` with from/value), `messages` JSONL (role/content; an OpenAI "
+        "request body is one), pre-tokenised JSONL (`input_ids` + `loss_mask`), or `prompt` (a prompt list: "
+        "the target writes the answers); auto detects from the first row.",
     )
     max_samples: int | None = Field(
         default=None, ge=1, le=100_000_000, description="Use at most this many rows of this source."
