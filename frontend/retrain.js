@@ -133,8 +133,8 @@ async function loop(first) {
     const pending = first || !wasTerminal ? await render() : await refresh();
     if (!isTerminal(meta, job.status) || pending) setTimeout(() => loop(false), 5000);
   } catch (e) {
-    root.hidden = false;
-    showError(root, e);
+    // before the panel was shown, the error (no such job, signed out) is the page header's (job.js): not twice
+    if (!root.hidden) showError(root, e);
   }
 }
 
