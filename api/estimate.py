@@ -65,8 +65,10 @@ BUILTIN_PROFILE = {
 }
 # hidden size of known targets (unknown targets: 4096, noted).
 HIDDEN = {"builtin:smollm2-135m-instruct": 576, "builtin:tiny-llama": 64, "8b": 4096}
-# training tokens (packed row slots) per second; small/cpu measured (demo: 1024 tokens per 1.1 s step).
-THROUGHPUT = {("small", "cpu"): 930.0, ("tiny", "cpu"): 40_000.0, ("large", "cuda"): 25_000.0,
+# training tokens (packed row slots) per second; small/cpu: the demo's 2836 steps of 1024 tokens, every
+# position trained (x ALL_POSITIONS_STEP_COST), in 30 min on a quiet day (2026-11-27, bench/README.md "The
+# demo end to end"; was 930 from the 640-conversation demo before the oneDNN trainer).
+THROUGHPUT = {("small", "cpu"): 1_900.0, ("tiny", "cpu"): 40_000.0, ("large", "cuda"): 25_000.0,
               ("small", "cuda"): 200_000.0, ("large", "cpu"): 20.0, ("tiny", "cuda"): 1_000_000.0}
 # tokens generated per second by the reference decoder (target + draft), per size class and device.
 DECODE = {("small", "cpu"): 6.0, ("tiny", "cpu"): 2_000.0, ("large", "cuda"): 40.0, ("small", "cuda"): 300.0,
@@ -85,6 +87,8 @@ REGEN_TOKENS_PER_S = {("vllm", "small", "cpu"): 400.0, ("hf", "small", "cpu"): 1
                       ("vllm", "tiny", "cuda"): 50_000.0, ("hf", "tiny", "cuda"): 5_000.0,
                       ("vllm", "large", "cuda"): 2_500.0, ("hf", "large", "cuda"): 150.0}
 ENGINE_START_SECONDS = {"cpu": 40.0, "cuda": 120.0}  # `vllm serve` to /health (SmolLM2 on 2 cores: ~35 s)
+# one live AL measurement during training, engine start included (the demo: 23 in about 8 min, quiet day)
+AL_MEASUREMENT_SECONDS = {"cpu": 20.0, "cuda": 60.0}
 # features captured per second through vLLM (small/cpu: the demo's 248k tokens at 924/s, load average 5-7)
 VLLM_CAPTURE_TOKENS_PER_S = {"tiny": {"cpu": 5_000.0, "cuda": 500_000.0}, "small": {"cpu": 1_500.0, "cuda": 200_000.0},
                              "large": {"cpu": 10.0, "cuda": 30_000.0}}
@@ -105,17 +109,19 @@ MODEL_RANGE = (0.6, 1.6)
 #: The hardware class the constants above were measured on (AVX-512 + AMX-BF16, 2 cores, target in bf16).
 CALIBRATION_CLASS = "cpu-bf16"
 #: The target's speed per CPU class and resolved dtype against CALIBRATION_CLASS in bfloat16 (regeneration,
-#: capture, decoding). cpu-bf16 float32: capture 2.2x slower than bf16 (the demo preset's measurement);
-#: cpu-avx2 bfloat16: vLLM generated 19-26 tokens/s on an AVX2-only 2-core EPYC where this machine makes
-#: about 400 (issue 39); cpu-avx2 float32: measured with AVX2 emulated (docs/experiments.md "Estimates").
+#: capture, decoding). Measured (docs/experiments.md "Estimates", `bench.cpu_class_speed`): fp32 on cpu-bf16
+#: 0.37 of bf16 in vLLM generation, 0.45 in capture; fp32 with AVX2 emulated 0.21 (an upper bound: vLLM's own
+#: kernels keep their AVX-512); bf16 on an AVX2-only EPYC 19-26 tokens/s where cpu-bf16 makes about 400
+#: (issue 39). The classes without a measurement (cpu-avx512 bf16, plain cpu) are guesses, said so there.
 TARGET_SPEED: Mapping[tuple[str, str], float] = {
-    ("cpu-bf16", "bfloat16"): 1.0, ("cpu-bf16", "float32"): 0.45,
-    ("cpu-avx512", "bfloat16"): 0.1, ("cpu-avx512", "float32"): 0.45,
-    ("cpu-avx2", "bfloat16"): 0.055, ("cpu-avx2", "float32"): 0.3,
-    ("cpu", "bfloat16"): 0.02, ("cpu", "float32"): 0.1,
+    ("cpu-bf16", "bfloat16"): 1.0, ("cpu-bf16", "float32"): 0.4,
+    ("cpu-avx512", "bfloat16"): 0.1, ("cpu-avx512", "float32"): 0.4,
+    ("cpu-avx2", "bfloat16"): 0.055, ("cpu-avx2", "float32"): 0.2,
+    ("cpu", "bfloat16"): 0.02, ("cpu", "float32"): 0.08,
 }
-#: The draft's fp32 training speed per CPU class against CALIBRATION_CLASS (cpu-avx2: measured emulated).
-DRAFT_SPEED: Mapping[str, float] = {"cpu-bf16": 1.0, "cpu-avx512": 1.0, "cpu-avx2": 0.6, "cpu": 0.25}
+#: The draft's fp32 training speed per CPU class against CALIBRATION_CLASS (cpu-avx2: 0.83 measured with
+#: AVX2 emulated for torch, oneDNN and MKL; plain cpu a guess).
+DRAFT_SPEED: Mapping[str, float] = {"cpu-bf16": 1.0, "cpu-avx512": 1.0, "cpu-avx2": 0.8, "cpu": 0.25}
 #: At most this many earlier comparable jobs (the newest) inform an estimate.
 HISTORY_JOBS = 5
 #: The least error stated for a phase measured by earlier jobs (one job, or jobs that agree).
@@ -355,7 +361,7 @@ def _vllm_eval(spec: TrainSpec, size: str, dev: str, steps: int, ts: float) -> t
         calls = len(at | set(range(spec.checkpoints.every_steps, steps + 1, spec.checkpoints.every_steps)) | {steps})
         prompts = e.al_num_prompts if spec.checkpoints.select_best_by not in ("auto", "acceptance_length") \
             else e.prompt_sets[0].num_prompts
-        al_s = calls * (start + prompts * e.max_new_tokens / batch)
+        al_s = calls * (AL_MEASUREMENT_SECONDS[dev] + prompts * e.max_new_tokens / batch)
     if not e.prompt_sets:
         return PhaseModel("generated tokens", 0.0, 1.0), al_s
     generated = sum(p.num_prompts for p in e.prompt_sets) * e.max_new_tokens

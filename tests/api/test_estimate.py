@@ -149,8 +149,9 @@ def test_the_cpu_class_and_dtype_choose_the_constants() -> None:
     assert fast["target_dtype"] == "bfloat16" and slow["target_dtype"] == "float32"
     assert "calibrated model for cpu-bf16 with the target in bfloat16" in fast["accuracy"]
     assert "calibrated model for cpu-avx2 with the target in float32" in slow["accuracy"]
-    for phase in ("regenerating", "capturing", "training", "evaluating"):
-        assert slow["phase_seconds"][phase] > 1.4 * fast["phase_seconds"][phase], phase
+    for phase in ("regenerating", "capturing", "evaluating"):  # the target's work: fp32 on AVX2
+        assert slow["phase_seconds"][phase] > 2 * fast["phase_seconds"][phase], phase
+    assert slow["phase_seconds"]["training"] > 1.15 * fast["phase_seconds"]["training"]  # the draft's: AVX2
     # bf16 forced on the AVX2 CPU (emulated) is slower still than its fp32
     data["target"]["dtype"] = "bfloat16"
     forced = estimate(parse_spec(data), dataset_rows={}, queue="q", queue_position=0, vllm_available=True,
