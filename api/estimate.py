@@ -328,14 +328,34 @@ def model_phases(
     if spec.eval.engine == "vllm":  # resolved: AL measured by vLLM, one engine start per measurement
         evaluating, al_s = _vllm_eval(spec, size, dev, steps, ts)
         train_other += al_s
+    training = PhaseModel("training tokens", train_tokens, tps * ds, train_other)
+    if spec.resources.engine is not None:
+        training = split_training(spec, training, steps=steps, rate=VLLM_CAPTURE_TOKENS_PER_S[size][dev] * ts,
+                                  engine_start_s=ENGINE_START_SECONDS[dev])
     return {
         "preparing_data": PhaseModel("conversations read", read, 1.0 / PREP_PER_CONVERSATION, LOAD_SECONDS[size]),
         "regenerating": regenerating,
         "capturing": capture,
-        "training": PhaseModel("training tokens", train_tokens, tps * ds, train_other),
+        "training": training,
         "evaluating": evaluating,
         "exporting": PhaseModel("exports", 1.0, 1.0 / (EXPORT_SECONDS + serve)),
     }
+
+
+def split_training(spec: TrainSpec, training: PhaseModel, *, steps: int, rate: float,
+                   engine_start_s: float) -> PhaseModel:
+    """The training phase of a job split over engine workers (`resources.engine`, issue 37): the trainer
+    streams every micro-batch it reads (steps x grad_accumulation x micro_batch_size x pack_length tokens)
+    from `replicas` engines of `max(1, engine.gpus)` GPUs each, capturing `rate` tokens/s per GPU, so it
+    runs at the slower of its own pace and theirs, after one engine start (the replicas start at once)."""
+    e, o = spec.resources.engine, spec.optim
+    assert e is not None
+    streamed = steps * o.grad_accumulation * o.micro_batch_size * o.pack_length
+    engines = PhaseModel("captured tokens", streamed, rate * max(1, e.gpus) * e.replicas)
+    compute = training.work / training.rate if training.work > 0 else 0.0
+    if engines.seconds > compute:
+        return PhaseModel("captured tokens", streamed, engines.rate, training.other_s + engine_start_s)
+    return PhaseModel(training.unit, training.work, training.rate, training.other_s + engine_start_s)
 
 
 def model_seconds(
