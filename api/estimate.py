@@ -179,8 +179,13 @@ class Comparable:
         """From a resolved spec as JSON (a job's `resolved_spec`, or `spec.model_dump(mode="json")`)."""
         target = resolved.get("target") or {}
         regen = (resolved.get("data") or {}).get("regenerate") or {}
+        res = resolved.get("resources") or {}
+        split = res.get("engine")  # engine workers beside the trainer (issue 37): another training rate
+        engine = str(res.get("target_engine")) + (
+            f" split over {split.get('replicas')} engine workers of {split.get('gpus')} GPUs"
+            if isinstance(split, dict) else "")
         return cls(model=str(target.get("model")), revision=target.get("revision"), dtype=str(target.get("dtype")),
-                   target_engine=str((resolved.get("resources") or {}).get("target_engine")),
+                   target_engine=engine,
                    regen_engine=str(regen.get("engine")) if regen.get("enabled") is True else "none",
                    hardware=hardware)
 
