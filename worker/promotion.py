@@ -1,6 +1,7 @@
 """At a retrain child's end: measure it beside the current draft and decide its promotion (docs/retrain.md).
 
     after_success(settings, factory, job_id)     # worker.tasks.run_job, once the job has succeeded
+    resume_lapsed(settings, factory)             # the reaper: decisions a dead worker left undone
 
 Only a retrain child (`service.db.promotion.retrain_of`) is measured. It is compared with the owner's
 current draft for its target, else with its parent, and the parent is measured too when it is not the
@@ -9,11 +10,20 @@ current draft: `peagle.eval.compare.compare_exports`, all on the child's prompt 
 numbers are stored (`service.db.promotion.record_decision`: a job event, sent as a webhook). Where the
 drafts cannot be measured here (no vLLM, or a head size this machine's vLLM refuses), or the measurement
 fails, the decision is `not_measured` with the reason, and the current draft stays.
+
+Durable: the comparison runs under a lease on the child's `retrain` row (`service.db.promotion.claim_decision`,
+extended by a thread while it runs). If the worker dies mid-comparison, the lease lapses and the reaper
+(`LapsedDecisions`, one thread beside its passes) runs it again; the decision is stored once
+(`service.db.promotion.record_measured`): a late first holder stores nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +37,7 @@ from service.db.models import Job, PromotionDecision
 from service.db.session import session_scope
 from service.settings import Settings
 
-__all__ = ["after_success", "checkpoint_dir"]
+__all__ = ["LapsedDecisions", "after_success", "checkpoint_dir", "resume_lapsed"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +60,82 @@ def _parent_step(spec: dict[str, Any]) -> int | None:
 
 
 def after_success(settings: Settings, factory: sessionmaker[Session], job_id: str,
-                  *, measure: Any = None) -> PromotionDecision | None:
-    """Compare and decide for the retrain child `job_id` (module docstring); None when it is not one.
+                  *, measure: Any = None, holder: str | None = None) -> PromotionDecision | None:
+    """Compare and decide for the retrain child `job_id` (module docstring); None when it is not one, or
+    when its decision is decided or measured elsewhere (another holder's lease runs).
 
     `measure`: `peagle.eval.serve_check.measure_vllm` (the default) or a stand-in with its signature.
+    `holder`: the lease holder's name (default host:pid:random).
     """
+    holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    with session_scope(factory) as s:
+        if not promotion.claim_decision(s, job_id, owner=holder, lease_seconds=settings.lease_seconds):
+            return None
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(settings, factory, job_id, holder, stop),
+                            name=f"promotion-lease-{job_id}", daemon=True)
+    beat.start()
+    try:
+        return _compare_and_decide(settings, factory, job_id, measure=measure)
+    finally:
+        stop.set()
+        beat.join(timeout=5)
+
+
+def _heartbeat(settings: Settings, factory: sessionmaker[Session], job_id: str, holder: str,
+               stop: threading.Event) -> None:
+    while not stop.wait(max(0.5, settings.lease_seconds / 3)):
+        try:
+            with session_scope(factory) as s:
+                if not promotion.extend_decision_lease(s, job_id, owner=holder, lease_seconds=settings.lease_seconds):
+                    return
+        except Exception as exc:  # noqa: BLE001 - database away: the next beat tries again
+            log.warning("job %s: cannot extend the promotion lease (%s)", job_id, exc)
+
+
+def resume_lapsed(settings: Settings, factory: sessionmaker[Session], *, measure: Any = None) -> list[str]:
+    """Run again every decision a dead worker left (`service.db.promotion.lapsed_decisions`); the ids of
+    the children whose decision this call stored."""
+    with session_scope(factory) as s:
+        lapsed = promotion.lapsed_decisions(s, grace_seconds=settings.lease_seconds)
+    done = []
+    for job_id in lapsed:
+        log.warning("job %s: its promotion decision was left undone (worker lost); measuring again", job_id)
+        if after_success(settings, factory, job_id, measure=measure) is not None:
+            done.append(job_id)
+    return done
+
+
+class LapsedDecisions:
+    """The reaper's runner of `resume_lapsed`: `poll()` starts it in a thread unless one still runs (a
+    comparison takes minutes; the reaper's passes go on meanwhile)."""
+
+    def __init__(self, settings: Settings, factory: sessionmaker[Session], *, measure: Any = None) -> None:
+        self._settings, self._factory, self._measure = settings, factory, measure
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> bool:
+        """Start a run unless one is running; True when one started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self._thread = threading.Thread(target=self._run, name="promotion-lapsed", daemon=True)
+        self._thread.start()
+        return True
+
+    def _run(self) -> None:
+        try:
+            resume_lapsed(self._settings, self._factory, measure=self._measure)
+        except Exception:
+            log.exception("reaper: re-running lapsed promotion decisions failed")
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the running one (if any)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def _compare_and_decide(settings: Settings, factory: sessionmaker[Session], job_id: str,
+                        *, measure: Any) -> PromotionDecision | None:
     from peagle.eval.compare import compare_exports, comparison_problems
     from peagle.eval.promotion import decide
 
@@ -99,7 +180,7 @@ def after_success(settings: Settings, factory: sessionmaker[Session], job_id: st
             verdict = decide(res["drafts"].get("child"), res["drafts"].get(baseline), sizes).to_dict()
             numbers["rows"] = verdict.get("rows")
     with session_scope(factory) as s:
-        return promotion.record_decision(
+        return promotion.record_measured(
             s, owner_id=owner_id, target=target, job_id=job_id, decision=verdict["decision"],
             decided_by="measurement", compared_with=compared_with, reason=verdict["reason"], batch_sizes=sizes,
             numbers=numbers, checkpoint_step=child_step)

@@ -11,7 +11,9 @@ Each pass, in the database (safe to run several reapers: every change is a condi
   worker was stopping) is sent;
 - a `queued` job whose message is recorded but no longer waiting in the broker (Redis lost its data, a
   worker took it and died before claiming) is sent again once it has been queued for
-  `requeue_lost_after_seconds` (Redis and filesystem brokers, whose queues can be listed).
+  `requeue_lost_after_seconds` (Redis and filesystem brokers, whose queues can be listed);
+- a retrain child's promotion decision that a dead worker left undone (lease lapsed, or never begun) is
+  measured again in a thread of this process and stored once (`worker.promotion.LapsedDecisions`).
 With `--resend-queued Q1,Q2` it first sends a message for every queued job on those queues: the
 `filesystem://` broker has no acknowledgements, so a message that a stopped worker had reserved is
 gone. `python -m worker` does this on start in embedded mode. A duplicate message is harmless: a job is
@@ -46,6 +48,7 @@ from service.db.session import make_engine, make_session_factory, session_scope
 from service.queue import make_producer
 from service.settings import Settings, get_settings
 from worker.live import Publisher
+from worker.promotion import LapsedDecisions
 from worker.webhooks import start_dispatcher
 
 __all__ = ["main", "reap_once", "resend_lost", "run_reaper"]
@@ -88,9 +91,11 @@ def resend_lost(factory: sessionmaker[Session], producer: Any, *, older_than: fl
 
 
 def reap_once(factory: sessionmaker[Session], producer: Any, *, resend_after: float = 10.0,
-              publisher: Publisher | None = None, lost_after: float | None = None) -> list[ReapAction]:
+              publisher: Publisher | None = None, lost_after: float | None = None,
+              decisions: LapsedDecisions | None = None) -> list[ReapAction]:
     """One pass: requeue/fail lapsed jobs, send queued jobs that have no message (and, with `lost_after`,
-    those whose message the broker lost). Returns the actions."""
+    those whose message the broker lost); with `decisions`, re-run lapsed promotion decisions (in its
+    thread). Returns the actions."""
     with session_scope(factory) as s:
         actions = reap_lapsed(s)
     for act in actions:
@@ -106,6 +111,8 @@ def reap_once(factory: sessionmaker[Session], producer: Any, *, resend_after: fl
         _send(factory, producer, job_id, queue)
     if lost_after is not None:
         resend_lost(factory, producer, older_than=lost_after)
+    if decisions is not None:
+        decisions.poll()
     return actions
 
 
@@ -127,6 +134,7 @@ def run_reaper(settings: Settings, *, interval: float, stop: threading.Event,
     producer = make_producer(settings)
     publisher = Publisher(settings.redis_url) if settings.redis_url else None
     dispatcher = start_dispatcher(settings, factory, stop) if webhooks else None
+    decisions = LapsedDecisions(settings, factory)
     try:
         if resend_queues:
             n = resend_queued(factory, producer, resend_queues)
@@ -134,7 +142,7 @@ def run_reaper(settings: Settings, *, interval: float, stop: threading.Event,
         while not stop.is_set():
             try:
                 reap_once(factory, producer, resend_after=max(5.0, 2 * interval), publisher=publisher,
-                          lost_after=settings.requeue_lost_after_seconds)
+                          lost_after=settings.requeue_lost_after_seconds, decisions=decisions)
             except sa.exc.SQLAlchemyError as exc:
                 log.warning("reaper: database error (%s); retrying", exc)
             stop.wait(interval)
@@ -166,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         engine = make_engine(settings.resolved_database_url())
         producer = make_producer(settings)
+        factory = make_session_factory(engine)
+        decisions = LapsedDecisions(settings, factory)
         try:
-            reap_once(make_session_factory(engine), producer, lost_after=settings.requeue_lost_after_seconds)
+            reap_once(factory, producer, lost_after=settings.requeue_lost_after_seconds, decisions=decisions)
+            decisions.join()
         finally:
             producer.close()
             engine.dispose()

@@ -3,6 +3,14 @@
     add_retrain(s, child_job_id=..., parent_job_id=..., owner_id=..., target=..., batch_sizes=[1, 8])
     record_decision(s, owner_id=..., target=..., job_id=child, decision="promoted", numbers={...}, ...)
     undo(s, owner_id=..., target=..., decided_by="alice")
+    claim_decision(s, child, owner="w1:123", lease_seconds=60)   # the measured decision's lease
+    record_measured(s, owner_id=..., ..., job_id=child, ...)      # stored once, None when already decided
+    lapsed_decisions(s, grace_seconds=60)                         # for the reaper to re-run
+
+A retrain child's measured decision is durable: `retrain.decision_state` goes pending -> running (a lease
+held by the worker, or the reaper, that measures) -> decided. A running one whose lease lapsed, and a
+pending one whose child succeeded `grace_seconds` ago, are `lapsed_decisions`; `record_measured` stores the
+decision only where it moves the row to `decided` in the same transaction, so it is stored once.
 
 One current draft per (owner, target) (`current_draft`). Every decision is a `promotion_decision` row
 with both sides' numbers and the current draft before and after it; `promoted` and `forced` make the
@@ -14,12 +22,13 @@ it, and `service.db.webhooks` sends it as `draft.promoted` / `draft.promotion_de
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from service.db import states
 from service.db.events import add_event
 from service.db.jobs import lock_owner
 from service.db.models import CurrentDraft, Job, PromotionDecision, Retrain, new_id, utcnow
@@ -27,11 +36,15 @@ from service.db.models import CurrentDraft, Job, PromotionDecision, Retrain, new
 __all__ = [
     "MAKES_CURRENT",
     "add_retrain",
+    "claim_decision",
     "current_drafts",
     "current_out",
     "decision_out",
     "decisions",
+    "extend_decision_lease",
+    "lapsed_decisions",
     "record_decision",
+    "record_measured",
     "retrain_of",
     "undo",
 ]
@@ -120,6 +133,70 @@ def record_decision(
     _event(session, row)
     session.commit()
     return row
+
+
+def claim_decision(session: Session, child_job_id: str, *, owner: str, lease_seconds: float,
+                   now: datetime | None = None) -> bool:
+    """Take the lease of `child_job_id`'s measured decision (pending, or running with a lapsed lease); commits.
+
+    False: not a retrain child, already decided, or another holder's lease is still running.
+    """
+    now = now or utcnow()
+    res = session.execute(
+        sa.update(Retrain)
+        .where(Retrain.child_job_id == child_job_id,
+               sa.or_(Retrain.decision_state == "pending",
+                      sa.and_(Retrain.decision_state == "running",
+                              sa.or_(Retrain.decision_lease_expires_at.is_(None),
+                                     Retrain.decision_lease_expires_at < now))))
+        .values(decision_state="running", decision_owner=owner[:200],
+                decision_lease_expires_at=now + timedelta(seconds=lease_seconds),
+                decision_attempts=Retrain.decision_attempts + 1)
+        .execution_options(synchronize_session=False))
+    session.commit()
+    return bool(getattr(res, "rowcount", 0) == 1)
+
+
+def extend_decision_lease(session: Session, child_job_id: str, *, owner: str, lease_seconds: float) -> bool:
+    """Extend the lease `owner` holds (False: lost it, or decided); commits."""
+    res = session.execute(
+        sa.update(Retrain)
+        .where(Retrain.child_job_id == child_job_id, Retrain.decision_state == "running",
+               Retrain.decision_owner == owner[:200])
+        .values(decision_lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .execution_options(synchronize_session=False))
+    session.commit()
+    return bool(getattr(res, "rowcount", 0) == 1)
+
+
+def lapsed_decisions(session: Session, *, grace_seconds: float, now: datetime | None = None) -> list[str]:
+    """Succeeded retrain children whose decision nobody will store unless re-run: running with a lapsed
+    lease, or pending though the child succeeded over `grace_seconds` ago (its worker died before it began)."""
+    now = now or utcnow()
+    q = (sa.select(Retrain.child_job_id).join(Job, Job.id == Retrain.child_job_id)
+         .where(Job.status == states.SUCCEEDED,
+                sa.or_(sa.and_(Retrain.decision_state == "running",
+                               sa.or_(Retrain.decision_lease_expires_at.is_(None),
+                                      Retrain.decision_lease_expires_at < now)),
+                       sa.and_(Retrain.decision_state == "pending",
+                               sa.or_(Job.finished_at.is_(None),
+                                      Job.finished_at < now - timedelta(seconds=grace_seconds)))))
+         .order_by(Retrain.created_at))
+    return list(session.scalars(q))
+
+
+def record_measured(session: Session, *, job_id: str, **kw: Any) -> PromotionDecision | None:
+    """`record_decision` for a retrain child's measured decision, stored once: only where this transaction
+    moves its `retrain` row to `decided` (None: it was decided already, e.g. by a late first holder)."""
+    lock_owner(session, owner_id=int(kw["owner_id"]))
+    res = session.execute(
+        sa.update(Retrain).where(Retrain.child_job_id == job_id, Retrain.decision_state != "decided")
+        .values(decision_state="decided", decision_lease_expires_at=None)
+        .execution_options(synchronize_session=False))
+    if getattr(res, "rowcount", 0) != 1:
+        session.rollback()
+        return None
+    return record_decision(session, job_id=job_id, **kw)
 
 
 def _set_current(session: Session, cur: CurrentDraft | None, *, owner_id: int, target: str, job_id: str | None,
