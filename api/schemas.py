@@ -492,8 +492,9 @@ class Estimate(BaseModel):
     wall_clock_range_seconds: list[float] = Field(description="[low, high]: the range `accuracy` states.")
     phase_seconds: dict[str, float] = Field(description="Seconds per phase: preparing_data, regenerating, capturing, "
                                             "training, evaluating, exporting (export + serve check).")
-    basis: Literal["history", "model"] = Field(description="history: scaled by earlier jobs on this queue and "
-                                               "device class; model: the calibrated model alone.")
+    basis: Literal["history", "model"] = Field(description="history: rates measured by comparable earlier jobs "
+                                               "(same target, dtype, engines, hardware class); model: the "
+                                               "calibrated model alone.")
     history_jobs: int = Field(description="Earlier jobs the estimate is measured from.")
     accuracy: str = Field(description="How far to trust the estimate, and why.")
     funnel: Funnel
