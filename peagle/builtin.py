@@ -205,7 +205,7 @@ def parity_draft_spec(data_dir: Path) -> dict[str, Any]:
     decoder's evaluation on 8 other list prompts x 32 tokens."""
     return {
         "name": "parity fixture: SmolLM2 draft on repeated lists",
-        "target": {"model": "builtin:smollm2-135m-instruct", "dtype": "float32"},
+        "target": {"model": "builtin:smollm2-135m-instruct", "dtype": "bfloat16"},
         "data": {"sources": [{"path": str(data_dir / "train.jsonl")}], "max_length": 160, "eval_samples": 4,
                  "regenerate": {"enabled": True, "engine": "hf", "max_new_tokens": 48, "batch_size": 32,
                                 "on_length": "keep"}},

@@ -375,7 +375,7 @@ def eval_cmd(
         typer.echo(json.dumps(report))
     else:
         _print_eval(report, src)
-    if parity and not parity.get("ok"):  # the report is printed; the exit code says the export mis-serves
+    if parity and parity.get("fails"):  # the report is printed; the exit code says the export mis-serves
         raise _fail(parity["message"], EXIT_CODES["served_parity_failed"])
 
 

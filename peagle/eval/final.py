@@ -209,7 +209,8 @@ def publish_export(ckpt: Path, dest: Path) -> Path:
 
 
 def reference_parity(
-    spec: TrainSpec, ev: dict[str, Any], ckpt: Path, tok: Any, k: int, sources: PromptSources | None = None,
+    spec: TrainSpec, ev: dict[str, Any], ckpt: Path, tok: Any, k: int, sources: PromptSources | None = None, *,
+    target_dtype: str | None = None,
 ) -> dict[str, Any] | None:
     """The parity record (`peagle.eval.parity.parity_record`) of a reference evaluation (`evaluate_export`
     with the reference decoder): its first prompt set, those prompts' token ids, K and max_new_tokens, and
@@ -225,7 +226,7 @@ def reference_parity(
         return None
     return parity_record(report, prompt_set=name, prompts=prompts, num_speculative_tokens=k,
                          max_new_tokens=spec.eval.max_new_tokens, checkpoint=ckpt.name,
-                         verifier=verifier_of(read_export_config(ckpt)))  # fmt: skip
+                         verifier=verifier_of(read_export_config(ckpt)), target_dtype=target_dtype)  # fmt: skip
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -290,8 +291,10 @@ def serve_check(
     if parity is None:
         sink.event("warning", message=f"served parity not checked: RUN/export has no {PARITY_FILE} (the reference "
                                       "decoder did not measure this run)")  # fmt: skip
-    elif not parity.ok:
+    elif parity.fails:
         raise ServedParityError(parity.message)
+    elif not parity.ok:
+        sink.event("warning", message=parity.message)
     else:
         sink.log("info", parity.message)
     return cmp
@@ -314,7 +317,9 @@ def evaluate_run(
     if result.eval.get(ACCEPTANCE_LENGTH) is not None:
         values = {ACCEPTANCE_LENGTH: result.eval[ACCEPTANCE_LENGTH], **al_pos_values(result.eval.get(PER_POSITION, []))}
         sink.metric(step, step / max(total_steps, 1) * resolved.optim.epochs, values)
-    record = reference_parity(resolved, result.eval, best, tok, k, sources) if engine == "reference" else None
+    record = reference_parity(resolved, result.eval, best, tok, k, sources,
+                              target_dtype=str(next(model.parameters()).dtype).removeprefix("torch.")) \
+        if engine == "reference" else None
     evaluation = evaluation_summary(result.eval)
     if record is not None:
         evaluation["parity_reference"] = parity_summary(record)

@@ -22,7 +22,8 @@ i.e. vLLM accepts less than the reference by more than Z = 3 binomial standard e
 FLOOR = 0.05 (bf16 serving vs the fp32 reference flips a few argmaxes, and greedy outputs then diverge).
 Only a drop fails (a mis-served draft never accepts more); a gain is reported. Worked example: p_r = 0.80
 over 100 drafts, p_v = 0.60 over 110: p = 0.695, tolerance 3 * sqrt(0.695 * 0.305 * (1/100 + 1/110)) = 0.19,
-the drop 0.20 fails; p_v = 0.65 passes. vLLM not drafting in parallel fails on its own. Torch-free and pure.
+the drop 0.20 fails; p_v = 0.65 passes. vLLM not drafting in parallel fails on its own. A record measured
+with the target in float32 (vLLM serves bfloat16) is compared and reported, never enforced. Torch-free and pure.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 __all__ = [
     "FLOOR",
     "PARITY_FILE",
+    "SERVED_DTYPE",
     "USUAL_CAUSES",
     "ParityResult",
     "PositionCheck",
@@ -56,6 +58,9 @@ PARITY_VERSION = 1
 Z = 3.0
 #: The smallest tolerated drop (numerical differences between the engines).
 FLOOR = 0.05
+#: The dtype vLLM serves the target and the draft in (`peagle.engine.probe`): a record measured with the
+#: target in another dtype (a float32 job) follows other greedy paths, so its verdict is reported, not enforced.
+SERVED_DTYPE = "bfloat16"
 #: What has broken served acceptance in the field, most likely first (vLLM issues; docs/export.md 7).
 USUAL_CAUSES = (
     "eagle_aux_hidden_state_layer_ids off by one (vLLM's input-of-layer convention vs output-of-layer)",
@@ -69,19 +74,21 @@ USUAL_CAUSES = (
 
 def parity_record(
     report: Mapping[str, Any], *, prompt_set: str, prompts: Sequence[Sequence[int]], num_speculative_tokens: int,
-    max_new_tokens: int, checkpoint: str | None = None, verifier: str | None = None,
+    max_new_tokens: int, checkpoint: str | None = None, verifier: str | None = None, target_dtype: str | None = None,
 ) -> dict[str, Any]:
     """What the gate compares vLLM with: the reference decoder's acceptance on one prompt set and the
     settings it was measured under (greedy, temperature 0, as every AL here).
 
     Args:
         report: the reference decoder's `EvalReport.to_dict()` on `prompts`.
+        target_dtype: the target's dtype in that measurement (`bfloat16`, `float32`).
         prompts: the prompts as token ids (chat template included); vLLM is given these exact ids.
     """
     n = int(report.get("num_drafts") or 0)
     per_pos = [float(x) for x in report.get("per_position") or []]
     return {
         "version": PARITY_VERSION, "engine": "reference", "checkpoint": checkpoint, "verifier": verifier,
+        "target_dtype": target_dtype,
         "prompt_set": prompt_set, "num_prompts": len(prompts), "prompts": [[int(t) for t in p] for p in prompts],
         "num_speculative_tokens": int(num_speculative_tokens), "max_new_tokens": int(max_new_tokens),
         "temperature": 0.0, "acceptance_length": report.get("acceptance_length"), "per_position": per_pos,
@@ -126,14 +133,22 @@ class PositionCheck:
 
 @dataclass(frozen=True)
 class ParityResult:
-    """The gate's verdict; `message` is one line naming the disagreeing positions and the usual causes."""
+    """The gate's verdict; `message` is one line naming the disagreeing positions and the usual causes.
+    `enforced` is False when the record's target dtype is not the one vLLM serves (`SERVED_DTYPE`): a
+    failure is then reported and not acted on (`fails`)."""
 
     ok: bool
     message: str
+    enforced: bool = True
     positions: list[PositionCheck] = field(default_factory=list)
     reference_al: float | None = None
     vllm_al: float | None = None
     parallel_drafting_ok: bool | None = None
+
+    @property
+    def fails(self) -> bool:
+        """Whether the check must stop the export (the serve check fails, `peagle eval` exits 12)."""
+        return not self.ok and self.enforced
 
     @property
     def failed_positions(self) -> list[int]:
@@ -141,7 +156,8 @@ class ParityResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "message": self.message, "failed_positions": self.failed_positions,
+            "ok": self.ok, "enforced": self.enforced, "fails": self.fails, "message": self.message,
+            "failed_positions": self.failed_positions,
             "positions": [p.__dict__ for p in self.positions], "reference_acceptance_length": self.reference_al,
             "vllm_acceptance_length": self.vllm_al, "parallel_drafting_ok": self.parallel_drafting_ok,
             "tolerance": {"z": Z, "floor": FLOOR},
@@ -183,12 +199,19 @@ def check_parity(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> Parit
                            f"{', '.join(str(c.position) for c in bad)} ({listed})")
     ref_al, v_al = reference.get("acceptance_length"), vllm.get("acceptance_length")
     drafts = f"{n_v} vLLM drafts vs {n_ref} reference"
-    if problems:
+    dtype = reference.get("target_dtype")
+    enforced = dtype in (None, SERVED_DTYPE)
+    if problems and not enforced:
+        message = (f"served parity not enforced (the reference decoder ran the target in {dtype}, vLLM serves "
+                   f"{SERVED_DTYPE}: greedy outputs part ways): vLLM AL {_al(v_al)} vs {_al(ref_al)} ({drafts}); "
+                   + "; ".join(problems))
+    elif problems:
         message = (f"served parity failed: vLLM AL {_al(v_al)} vs {_al(ref_al)} in the reference decoder with the "
                    f"same weights and settings ({drafts}); " + "; ".join(problems)
                    + ". Usual causes: " + "; ".join(USUAL_CAUSES))
     else:
         message = (f"served parity ok: vLLM AL {_al(v_al)} vs {_al(ref_al)} in the reference decoder, every draft "
                    f"position within tolerance ({drafts})")
-    return ParityResult(ok=not problems, message=message, positions=checks, reference_al=ref_al, vllm_al=v_al,
+    return ParityResult(ok=not problems, message=message, enforced=enforced, positions=checks, reference_al=ref_al,
+                        vllm_al=v_al,
                         parallel_drafting_ok=parallel if isinstance(parallel, bool) else None)

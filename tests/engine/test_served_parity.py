@@ -69,8 +69,8 @@ def test_the_recorded_draft_accepts_well_enough_for_a_break_to_show(parity_draft
     rec = read_parity(parity_draft / "export")
     assert rec is not None and rec["num_speculative_tokens"] == 3 and rec["max_new_tokens"] == 32
     assert len(rec["prompts"]) == 8 and rec["temperature"] == 0.0
-    # every position accepts far above the tolerance a drop must exceed (around 0.1-0.2 at these counts)
-    assert min(rec["per_position"]) >= 0.4, rec["per_position"]
+    # position 0 accepts far above the tolerance a drop must exceed (about 0.06 at these counts)
+    assert rec["per_position"][0] >= 0.8 and rec["num_drafts"] >= 80, rec
 
 
 def test_peagle_eval_passes_the_good_export_and_exits_12_on_aux_ids_off_by_one(
