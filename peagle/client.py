@@ -243,3 +243,44 @@ class PeagleClient:
         with path.open("rb") as fh:
             return self._req("POST", "/v1/datasets", files={"file": (path.name, fh)}, data={"format": fmt},
                              timeout=None)
+
+    # ------------------------------------------------------------------ uploaded drafts
+    def upload_draft(self, path: Path) -> dict[str, Any]:
+        """Upload a draft checkpoint for warm starts (`POST /v1/drafts`; docs/warm_start.md): an export folder
+        is packed as a tar.gz (its files under one top folder, in a temporary file), an archive (.tar, .tar.gz,
+        .tgz, .zip) is sent as it is. Returns the draft: `id`, `status` (`ready` or `invalid`, `report.error`
+        says why), `init_from` (`draft:<id>`, for a spec's `draft.init_from`)."""
+        import tarfile
+        import tempfile
+
+        if not path.is_dir():
+            with path.open("rb") as fh:
+                return self._req("POST", "/v1/drafts", files={"file": (path.name, fh)}, timeout=None)
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        if not files:
+            raise PeagleError(f"{path}: an empty folder (an export folder holds config.json and the weights)")
+        with tempfile.TemporaryFile(suffix=".tar.gz") as tmp:
+            with tarfile.open(fileobj=tmp, mode="w:gz") as tar:
+                for f in files:
+                    tar.add(f, arcname=f"{path.name}/{f.relative_to(path).as_posix()}", recursive=False)
+            tmp.seek(0)
+            return self._req("POST", "/v1/drafts", files={"file": (f"{path.name}.tar.gz", tmp)}, timeout=None)
+
+    def list_drafts(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        """The owner's uploaded drafts, newest first (every page)."""
+        out: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": min(limit, 200), **({"after": after} if after else {})}
+            page = self._req("GET", "/v1/drafts", params=params)
+            out.extend(page["data"])
+            if not page["has_more"] or len(out) >= limit:
+                return out[:limit]
+            after = page["next_after"]
+
+    def get_draft(self, draft_id: str) -> dict[str, Any]:
+        return self._req("GET", f"/v1/drafts/{draft_id}")
+
+    def delete_draft(self, draft_id: str) -> None:
+        """Delete an uploaded draft (refused, 409, while an unfinished job starts from it)."""
+        self._req("DELETE", f"/v1/drafts/{draft_id}")

@@ -45,6 +45,9 @@ app.add_typer(jobs_app, name="jobs")
 from peagle.cli import retrain as cli_retrain  # noqa: E402 - `peagle jobs retrain`, `peagle promotion ...`
 
 cli_retrain.register(app, jobs_app)
+from peagle.cli import drafts as cli_drafts  # noqa: E402 - `peagle drafts upload|list|delete`
+
+cli_drafts.register(app)
 
 
 def main() -> None:
