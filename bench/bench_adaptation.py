@@ -167,17 +167,18 @@ def measure(exports: Mapping[str, Path], spec: dict[str, Any], *, rounds: int, m
     ts = parse_spec(spec)
     verifier = local_verifier(ts.target.model)
     sets = dict(prompt_ids(ts, AutoTokenizer.from_pretrained(str(verifier)), None))
-    by_dir = {str(d): n for n, d in exports.items()}
-    per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in exports}
+    results: list[dict[str, Any]] = []  # in the order measured: cmp["order"] names them
 
     def al_only(export: Path, sets: Any, **kw: Any) -> dict[str, Any]:
-        res = measure_vllm(export, sets, **{**kw, "speedup": None})
-        per_round[by_dir[str(export)]].append(res)
-        return res
+        results.append(measure_vllm(export, sets, **{**kw, "speedup": None}))
+        return results[-1]
 
     cmp = compare_drafts(exports, sets, verifier=verifier, max_new_tokens=max_new_tokens, batch_sizes=[],
                          num_prompts=1, rounds=rounds, measure=al_only,
                          log=lambda m: print(f"    {m}", flush=True))
+    per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in exports}
+    for name, res in zip([n for r in cmp["order"] for n in r], results, strict=True):
+        per_round[name].append(res)
     return per_round, {"method": cmp["method"], "order": cmp["order"], "set": next(iter(sets))}
 
 
