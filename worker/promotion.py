@@ -97,7 +97,7 @@ def resume_lapsed(settings: Settings, factory: sessionmaker[Session], *, measure
     """Run again every decision a dead worker left (`service.db.promotion.lapsed_decisions`); the ids of
     the children whose decision this call stored."""
     with session_scope(factory) as s:
-        lapsed = promotion.lapsed_decisions(s, grace_seconds=settings.lease_seconds)
+        lapsed = promotion.lapsed_decisions(s, grace_seconds=2 * settings.lease_seconds)
     done = []
     for job_id in lapsed:
         log.warning("job %s: its promotion decision was left undone (worker lost); measuring again", job_id)

@@ -2,7 +2,7 @@
 
 `retrain.decision_state` (pending, running, decided), the holder of a running comparison and its lease
 (`decision_owner`, `decision_lease_expires_at`), and `decision_attempts`. The reaper re-runs a running
-comparison whose lease lapsed, and a pending one whose child succeeded over a lease ago; the decision is
+comparison whose lease lapsed, and a pending one whose child succeeded two leases ago; the decision is
 stored once (a conditional update to `decided` in the decision's transaction). Existing children that
 already have a measured decision are `decided`.
 

@@ -363,7 +363,7 @@ class Retrain(Base):
     batch_sizes: Mapped[list[Any]] = mapped_column(sa.JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # the decision at the child's end: pending -> running (a worker or the reaper holds the lease) -> decided;
-    # a running one whose lease lapsed, or a pending one of a child that succeeded a lease ago, is re-run
+    # a running one whose lease lapsed, or a pending one of a child that succeeded two leases ago, is re-run
     decision_state: Mapped[str] = mapped_column(sa.String(16), default="pending", server_default="pending")
     decision_owner: Mapped[str | None] = mapped_column(sa.String(200), default=None)
     decision_lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
