@@ -44,7 +44,7 @@ PROBE_PREFIX = "peagle-probe: "
 PARITY_SET = "(parity.json)"
 
 #: What a report drops when it is printed (token ids of every output).
-_BULKY = ("outputs", "counters")
+_BULKY = ("outputs", "counters", "histograms")
 
 
 def reference_dtypes(export_config: dict[str, Any], dtype: str) -> tuple[Any, Any]:

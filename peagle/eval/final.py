@@ -40,8 +40,9 @@ from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos
 __all__ = ["al_text", "best_checkpoint", "evaluate_export", "evaluate_run", "evaluation_summary", "publish_export",
            "reference_parity", "serve_check"]
 
-#: Report fields left out of events and eval.json (token ids of every output, raw counters).
-_BULKY = ("outputs", "counters")
+#: Report fields left out of events and eval.json (token ids of every output, raw counters, per-request
+#: histograms, the reference decoder's outputs and histograms kept for the parity record).
+_BULKY = ("outputs", "counters", "histograms", "reference_requests")
 
 
 def best_checkpoint(root: Path) -> Path:
@@ -120,6 +121,7 @@ def evaluate_export(
             rep = evaluate_prompts(model, draft, prompts, num_speculative_tokens=k,
                                    max_new_tokens=resolved.eval.max_new_tokens, eos_token_ids=eos_ids(model, tok))
             reports[name] = {"engine": "reference", **rep.to_dict()}
+            out.setdefault("reference_requests", {})[name] = {"outputs": rep.outputs, "histograms": rep.histograms}
     elif sets:
         from peagle.eval.serve_check import measure_vllm
 
@@ -224,6 +226,7 @@ def reference_parity(
     report = (ev.get("prompt_sets") or {}).get(name)
     if not report or not report.get("num_drafts"):
         return None
+    report = {**report, **(ev.get("reference_requests") or {}).get(name, {})}  # outputs, histograms
     return parity_record(report, prompt_set=name, prompts=prompts, num_speculative_tokens=k,
                          max_new_tokens=spec.eval.max_new_tokens, checkpoint=ckpt.name,
                          verifier=verifier_of(read_export_config(ckpt)), target_dtype=target_dtype)  # fmt: skip

@@ -315,12 +315,14 @@ class EvalReport:
     per_request: list[float | None] = field(default_factory=list)
     per_request_spread: dict[str, float] | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    histograms: list[list[int]] = field(default_factory=list, repr=False)  # per request (`acceptance.py`)
 
     def to_dict(self, *, with_outputs: bool = False) -> dict[str, Any]:
-        """JSON-able dict (`outputs` only when asked)."""
-        d = {k: v for k, v in self.__dict__.items() if k != "outputs"}
+        """JSON-able dict (`outputs` and the per-request `histograms` only when asked)."""
+        d = {k: v for k, v in self.__dict__.items() if k not in ("outputs", "histograms")}
         if with_outputs:
             d["outputs"] = self.outputs
+            d["histograms"] = self.histograms
         return d
 
 
@@ -341,6 +343,7 @@ def summarize(results: Sequence[DecodeResult], num_speculative_tokens: int) -> E
         per_request=acc.per_request,
         per_request_spread=d["per_request_spread"],
         outputs=[r.tokens for r in results],
+        histograms=[histogram_of(r.accepted, k) for r in results],
     )
 
 

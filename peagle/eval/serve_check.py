@@ -35,6 +35,7 @@ def al_report(raw: Mapping[str, Any]) -> dict[str, Any]:
         "tokens_generated": sum(int(r.get("tokens") or 0) for r in requests),
         "num_draft_tokens": counters.get("num_draft_tokens"), "counters": counters,
         "counters_agree": bool(agree), "generate_seconds": raw.get("seconds"), "outputs": raw.get("outputs") or [],
+        "histograms": [list(r.get("histogram") or []) for r in requests],
     }  # fmt: skip
 
 

@@ -95,7 +95,13 @@ def test_peagle_eval_passes_the_good_export_and_exits_12_on_aux_ids_off_by_one(
     assert "position 0: vLLM" in error[-1] and "aux_hidden_state_layer_ids off by one" in error[-1]
 
 
-@pytest.mark.parametrize("breakage", ["mask_hidden_zeroed", "norm_before_fc_on"])
+@pytest.mark.parametrize("breakage", [
+    # this draft's mask slots accept little (position 1 about 0.1, the same with mask_hidden zeroed in vLLM):
+    # nothing for the gate to see; a draft with real acceptance after a mask slot is needed (not caught yet)
+    pytest.param("mask_hidden_zeroed", marks=pytest.mark.xfail(reason="the parity draft's positions 1.. accept "
+                                                                     "about as little without mask_hidden")),
+    "norm_before_fc_on",
+])
 def test_the_job_serve_check_fails_a_broken_export_and_keeps_its_results(
     parity_draft: Path, smollm2_path: Path, smollm2_tokenizer: Any, tmp_path: Path, breakage: str
 ) -> None:

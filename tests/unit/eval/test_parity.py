@@ -77,3 +77,18 @@ def test_a_float32_record_is_reported_but_not_enforced() -> None:
     assert res.message.startswith("served parity not enforced (the reference decoder ran the target in float32")
     assert check_parity({**ref, "target_dtype": "bfloat16"}, {"per_position": [0.75, 0.07], "num_drafts": 141,
                                                              "parallel_drafting_ok": True}).fails  # fmt: skip
+
+
+def test_only_prompts_with_the_same_generated_tokens_are_compared() -> None:
+    # prompt 1's target output differs between the engines (bf16 kernels): its drafts say nothing of the draft
+    ref = {"outputs": [[1, 2], [3, 4], [5, 6]], "histograms": [[0, 0, 5], [0, 0, 5], [0, 0, 5]],
+           "per_position": [1.0, 1.0], "num_drafts": 15, "target_dtype": "bfloat16"}
+    vllm = {"outputs": [[1, 2], [3, 9], [5, 6]], "histograms": [[0, 0, 5], [5, 0, 0], [0, 0, 5]],
+            "per_position": [0.67, 0.67], "num_drafts": 15, "parallel_drafting_ok": True}
+    res = check_parity(ref, vllm)
+    assert res.ok and "on the 2 of 3 prompts where both engines generated the same tokens" in res.message
+    broken = {**vllm, "histograms": [[5, 0, 0], [5, 0, 0], [5, 0, 0]]}
+    assert check_parity(ref, broken).fails
+    # most prompts on other paths: not comparable, reported only
+    other = {**broken, "outputs": [[0], [0], [5, 6]]}
+    assert not check_parity(ref, other).ok and not check_parity(ref, other).fails
