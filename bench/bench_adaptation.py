@@ -12,6 +12,9 @@ All three are then measured in ONE vLLM run on the last `--heldout` HumanEval pr
 trains on (`peagle.eval.compare.compare_drafts`: one engine start per draft per round, the order of the
 drafts reversed each round, identical prompt token ids, greedy, K = the drafts' 4): AL and acceptance per
 position of each draft in each round, and the ratio AL(B) / AL(C) per round with its median and spread.
+Greedy decoding repeats a draft's AL exactly from round to round (the rounds check that, and that the
+engine starts do not disturb it), so the spread that tells signal from noise is the per-prompt one:
+each draft's per-prompt AL quartiles (`per_request_spread`) are printed and kept too.
 Prints the table and writes bench/results/adaptation.json (with the settings and the load average).
 
 A stage whose run directory already holds an export of the same spec (and the same parent) is reused.
@@ -242,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     rep["load_average_before"], rep["load_average_after"] = load_before, [round(x, 2) for x in os.getloadavg()]
     rep["cpu_count"] = os.cpu_count()
 
-    print(f"{'draft':6s} {'AL':>6s}  {'AL per round':24s} per position (round 1)")
+    print(f"{'draft':6s} {'AL':>6s}  {'AL per round':24s} {'per prompt p25/p50/p75':24s} per position (round 1)")
     for name, d in rep["drafts"].items():
         pos = [round(x, 3) for x in d.get("per_position") or []]
-        al = d["acceptance_length"]
-        print(f"{name:6s} {al if al is None else f'{al:.3f}':>6}  {[round(x, 3) for x in d['al_per_round']]!s:24s} {pos}")
+        al, q = d["acceptance_length"], d.get("per_request_spread") or {}
+        quart = "/".join(f"{q[k]:.3f}" for k in ("p25", "median", "p75") if isinstance(q.get(k), int | float))
+        print(f"{name:6s} {al if al is None else f'{al:.3f}':>6}  {[round(x, 3) for x in d['al_per_round']]!s:24s} "
+              f"{quart:24s} {pos}")
     for key in ("b_over_c", "b_over_a"):
         if key in rep:
             s = rep[key]["spread"]
