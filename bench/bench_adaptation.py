@@ -1,12 +1,12 @@
 """Adaptation by warm start (issue 38): a ShareGPT draft continued on code against one trained from scratch.
 
 Three SmolLM2-135M drafts, each the demo preset shortened (`stage_spec`: every answer written by the
-target, or with `--no-regenerate` the data's own answers; the trainer exports its last checkpoint):
+target, or with `--regen-tokens 0` the data's own answers; the trainer exports its last checkpoint):
   * A: trained on ShareGPT (`--a-samples` conversations, `--a-steps` steps), or an existing export
     (`--a-export`, default `.peagle/bench/demo_run/export` when the demo run of `bench_al` is there);
   * B: A's export continued (`peagle train --init-from A`) on code for `--steps` steps: the first
     `--code-train` HumanEval problems as prompts-only rows (the target answers them; with
-    `--no-regenerate` each answered by its canonical solution, the stub completed);
+    `--regen-tokens 0` each answered by its canonical solution, the stub completed);
   * C: the same spec, data, steps and seed as B, from scratch (the target's layers, as every new job).
 All three are then measured in ONE vLLM run on the last `--heldout` HumanEval problems, which no stage
 trains on (`peagle.eval.compare.compare_drafts`: one engine start per draft per round, the order of the
@@ -18,12 +18,13 @@ each draft's per-prompt AL quartiles (`per_request_spread`) are printed and kept
 Prints the table and writes bench/results/adaptation.json (with the settings and the load average).
 
 A stage whose run directory already holds an export of the same spec (and the same parent) is reused.
-Default sizes take about 20-25 minutes on 2 quiet cores (the target in the trainer for regeneration and
-capture, the vLLM CPU build for the measurement); without `.vllm-venv` nothing is measured and the bench
-says why (exit 1).
+The default sizes are meant to take about 20-25 minutes on 2 quiet cores (an estimate from the demo's
+step time; not yet timed on a quiet machine). The target runs in the trainer for regeneration and capture,
+the vLLM CPU build measures; without `.vllm-venv` nothing is measured and the bench says why (exit 1).
 
     .venv/bin/python -m bench.bench_adaptation                          # defaults (`make bench`)
-    .venv/bin/python -m bench.bench_adaptation --a-steps 60 --steps 30 --heldout 16 --rounds 2
+    .venv/bin/python -m bench.bench_adaptation --a-export DIR --steps 16 --code-train 64 --heldout 16 \
+        --max-new-tokens 64 --regen-tokens 0              # small settings for a loaded machine
 """
 
 from __future__ import annotations
