@@ -9,7 +9,9 @@
 A row per (job, kind, index), rewritten for each generation of the trainer's stream. In flight: `sent`
 (queued to Celery) or `running` (an engine worker has it; its lease is extended while it works). A
 `running` row whose lease lapsed is `lost` and sent again (another engine worker redoes the chunk from
-its start; its results are written whole, so a half-written chunk is never read). Functions take a
+its start; its results are written whole, so a half-written chunk is never read). A `sent` row that no
+engine worker claimed within `sent_deadline` seconds (its message was lost) is sent again too: a duplicate
+message is harmless, `start_chunk` lets one worker have the chunk. Functions take a
 `Session` and leave commit to the caller. Torch-free.
 """
 
@@ -34,10 +36,13 @@ def _row(s: Session, job_id: str, kind: str, index: int) -> EngineTask | None:
 
 
 def plan_sends(s: Session, job_id: str, *, kind: str, pending: list[int], generation: int, replicas: int,
-               lease_seconds: float, max_attempts: int, now: datetime | None = None) -> tuple[list[int], list[int]]:
+               lease_seconds: float, max_attempts: int, sent_deadline: float | None = None,
+               now: datetime | None = None) -> tuple[list[int], list[int]]:
     """(chunks to send now, chunks that failed `max_attempts` times) for the `pending` chunks of the
-    trainer's current `generation`, keeping at most `replicas` in flight. Rows are written as `sent`."""
+    trainer's current `generation`, keeping at most `replicas` in flight. Rows are written as `sent`; one
+    still `sent` (unclaimed) `sent_deadline` seconds after it was sent is sent again (None: never)."""
     now = now or utcnow()
+    resend: set[int] = set()
     rows = {r.index: r for r in s.scalars(sa.select(EngineTask).where(
         EngineTask.job_id == job_id, EngineTask.kind == kind).with_for_update())}
     in_flight = 0
@@ -46,9 +51,16 @@ def plan_sends(s: Session, job_id: str, *, kind: str, pending: list[int], genera
             row.state, row.error = "lost", "its engine worker stopped heartbeating"
         elif row.state in IN_FLIGHT and row.generation == generation:
             in_flight += 1
+            if (row.state == "sent" and sent_deadline is not None and row.sent_at is not None
+                    and row.sent_at + timedelta(seconds=sent_deadline) < now):
+                resend.add(row.index)  # its message was lost: it stays in flight, sent once more
     send, failed = [], []
     for i in pending:
         r = rows.get(i)
+        if i in resend and r is not None:
+            r.sent_at = now
+            send.append(i)
+            continue
         if r is not None and r.generation == generation and r.state in IN_FLIGHT:
             continue
         if r is not None and r.generation == generation and r.attempts >= max_attempts:

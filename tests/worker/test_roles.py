@@ -79,3 +79,26 @@ def test_chunk_records_lease_resend_and_stop(factory):
         send, failed = et.plan_sends(s, job_id, kind="capture", pending=[0, 2], generation=2, replicas=4,
                                      lease_seconds=5, max_attempts=2)
         assert send == [0, 2] and failed == []
+
+
+def test_lost_chunk_message_is_sent_again_and_the_duplicate_is_harmless(factory):
+    job_id = new_job(factory, status="running")
+    args = dict(kind="capture", pending=[0, 1], generation=1, replicas=2, lease_seconds=5, max_attempts=2,
+                sent_deadline=60)
+    with session_scope(factory) as s:
+        assert et.plan_sends(s, job_id, **args) == ([0, 1], [])
+        assert et.start_chunk(s, job_id, "capture", 1, worker="a", gpus=0, lease_seconds=500) == 1
+    soon = utcnow() + timedelta(seconds=30)
+    with session_scope(factory) as s:  # within the deadline: nothing sent again
+        assert et.plan_sends(s, job_id, **args, now=soon) == ([], [])
+    later = utcnow() + timedelta(seconds=90)  # chunk 0's message never reached a worker
+    with session_scope(factory) as s:
+        assert et.plan_sends(s, job_id, **args, now=later) == ([0], [])
+    with session_scope(factory) as s:  # not again until its new deadline
+        assert et.plan_sends(s, job_id, **args, now=later + timedelta(seconds=30)) == ([], [])
+        assert et.start_chunk(s, job_id, "capture", 0, worker="b", gpus=0, lease_seconds=5, now=later) == 1
+        # the first message arrives late at another worker: b holds the chunk, c does not run it
+        assert et.start_chunk(s, job_id, "capture", 0, worker="c", gpus=0, lease_seconds=5, now=later) is None
+    with session_scope(factory) as s:
+        rows = {r.index: r for r in et.task_rows(s, job_id)}
+        assert rows[0].state == "running" and rows[0].worker == "b" and rows[0].attempts == 1
