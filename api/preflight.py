@@ -54,6 +54,7 @@ from service.channels import dataset_id
 from service.db.init_from import init_source
 from service.db.models import Dataset
 from service.db.workers import worker_problems
+from service.queue import engine_queue, train_queue
 
 __all__ = ["Preflight", "WorkerCheck", "preflight"]
 
@@ -167,6 +168,24 @@ class WorkerCheck:
     stale_after_s: float = 60.0
 
 
+def _placement_problems(session: Session, spec: TrainSpec, workers: WorkerCheck) -> list[dict[str, str]]:
+    """No live worker for the job's train task (`service.queue.train_queue`), or for a split job's engine
+    chunks (`resources.engine.queue`, default `engine-<the job's queue>`)."""
+    r = spec.resources
+    trainer = r.trainer.queue if r.trainer is not None else None
+    queue = train_queue(workers.queue, r)
+    gpus = r.trainer.gpus if r.trainer is not None and r.trainer.gpus is not None else r.gpus
+    out = worker_problems(session, queue=queue, gpus=gpus, stale_after_s=workers.stale_after_s, mode=workers.mode,
+                          queue_param="/resources/trainer/queue" if trainer else "/queue",
+                          gpus_param="/resources/trainer/gpus" if r.trainer is not None and r.trainer.gpus is not None
+                          else "/resources/gpus")
+    if r.engine is not None:
+        out += worker_problems(session, queue=r.engine.queue or engine_queue(queue), gpus=r.engine.gpus,
+                               stale_after_s=workers.stale_after_s, mode=workers.mode,
+                               queue_param="/resources/engine/queue", gpus_param="/resources/engine/gpus")
+    return out
+
+
 def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Sequence[Path], *,
               vllm_available: bool = True, hub: HubProbe | None = None, workers: WorkerCheck | None = None,
               artifact_root: Path | None = None) -> Preflight:
@@ -180,8 +199,7 @@ def preflight(session: Session, owner_id: int, spec: TrainSpec, model_roots: Seq
     out.forbidden = out.forbidden or warm_forbidden
     out.problems += _target_problems(spec, model_roots, hub)
     if workers is not None:
-        out.problems += worker_problems(session, queue=workers.queue, gpus=spec.resources.gpus,
-                                        stale_after_s=workers.stale_after_s, mode=workers.mode)
+        out.problems += _placement_problems(session, spec, workers)
     out.problems += _engine_problems(spec, vllm_available)
     # (param, `dataset:<id>`, rows skipped, is a data source) of every dataset ref: sources and prompt sets
     named = [(f"/data/sources/{i}/path", src.path, src.skip, True) for i, src in enumerate(spec.data.sources)]

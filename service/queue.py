@@ -19,7 +19,7 @@ from service.settings import Settings
 
 __all__ = ["DELIVERY", "ENGINE_CHUNK_TASK", "ENGINE_DELIVERY", "ENGINE_WORKER_ONLY", "FILESYSTEM_TRANSPORT", "ROLES", "TRAIN_TASK",
            "WORKER_ONLY", "Producer", "celery_config", "declared_queue", "engine_queue", "make_producer", "role_queues",
-           "task_options", "worker_argv", "worker_config"]
+           "task_options", "train_queue", "worker_argv", "worker_config"]
 
 TRAIN_TASK = "peagle.train"
 #: One chunk of a split job's engine work (`resources.engine`): `peagle.engine_chunk(job_id, kind, index)`.
@@ -112,6 +112,13 @@ def worker_config(settings: Settings, queues: list[str], role: str = "all") -> d
 def engine_queue(queue: str) -> str:
     """The engine queue beside the job queue `queue` (`engine-<queue>`): the one rule for its name."""
     return queue if queue.startswith(ENGINE_QUEUE_PREFIX) else f"{ENGINE_QUEUE_PREFIX}{queue}"
+
+
+def train_queue(queue: str, resources: Any) -> str:
+    """The queue a job's `peagle.train` task goes to, the job's queue: `resources.trainer.queue` when set
+    (a split job's trainer placed apart), else `queue`. `resources` is a spec's `ResourceSpec`."""
+    trainer = getattr(resources, "trainer", None)
+    return str(trainer.queue) if trainer is not None and trainer.queue else queue
 
 
 def role_queues(role: str, queues: list[str]) -> list[str]:

@@ -65,9 +65,19 @@ def _resolved(spec: TrainSpec | dict[str, Any]) -> TrainSpec:
     return parsed.resolve(cuda_available=parsed.resources.gpus > 0, vllm_available=vllm_available())
 
 
+def _placed_gpus(resources: Any) -> int | None:
+    """`resources.trainer.gpus` of a split job (its trainer's GPUs on this machine), else None."""
+    trainer = resources.trainer if resources.engine is not None else None
+    return None if trainer is None or trainer.gpus is None else int(trainer.gpus)
+
+
 def _trainer_gpus(spec: TrainSpec) -> int:
-    """GPUs the trainer itself gets: the job's, less those a vLLM target engine takes (`job_devices`)."""
+    """GPUs the trainer itself gets: `resources.trainer.gpus` of a split job when set, else the job's, less
+    those a vLLM target engine takes (`job_devices`)."""
     r = spec.resources
+    placed = _placed_gpus(r)
+    if placed is not None:
+        return placed
     return len(job_devices(r, visible=None)[1]) if r.target_engine == "vllm" and r.gpus > 0 else r.gpus
 
 
@@ -101,6 +111,12 @@ def trainer_environment(*, spec: TrainSpec | dict[str, Any], visible: str | None
     if regen_cache is not None:
         env["PEAGLE_REGEN_CACHE"] = str(regen_cache)
     r = _resolved(spec).resources
+    placed = _placed_gpus(r)
+    if placed is not None:  # a split job's trainer: its first `resources.trainer.gpus` devices, no engine here
+        if placed > 0:
+            names = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(placed)]
+            env["CUDA_VISIBLE_DEVICES"] = env["PEAGLE_ENGINE_DEVICES"] = ",".join(names[:placed])
+        return env
     if r.gpus == 0 or r.target_engine != "vllm":
         return env
     engine, trainer = job_devices(r, visible=visible)

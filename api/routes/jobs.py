@@ -38,6 +38,7 @@ from peagle.spec import SpecInvalidError, TrainSpec, parse_spec, preset, preset_
 from service.channels import live_channel, wake_payload
 from service.db import aio, jobs, repo, states
 from service.db.models import Job
+from service.queue import train_queue
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 log = logging.getLogger("peagle.api")
@@ -111,7 +112,7 @@ def submit(state: AppState, session: Session, principal: repo.Principal, spec: T
     try:
         return jobs.create_job(
             session, owner_id=principal.owner_id, spec=spec.model_dump(mode="json"), name=name or spec.name or "",
-            tags=tags or list(spec.tags), queue=queue or state.settings.worker_queue,
+            tags=tags or list(spec.tags), queue=train_queue(queue or state.settings.worker_queue, spec.resources),
             max_restarts=spec.resources.max_restarts, send=state.producer.send_train, quota=_quota(state),
             idempotency=idem, answer=lambda values: jsonable(job_public(values)))
     except jobs.QuotaExceeded as exc:

@@ -63,9 +63,9 @@ def live_workers(session: Session, *, stale_after_s: float, now: datetime | None
 
 
 def worker_problems(session: Session, *, queue: str, gpus: int, stale_after_s: float, mode: str = "auto",
-                    queue_param: str = "/queue") -> list[dict[str, str]]:
+                    queue_param: str = "/queue", gpus_param: str = "/resources/gpus") -> list[dict[str, str]]:
     """Why no live worker can take a job on `queue` needing `gpus` GPUs (module docstring), as
-    `[{"param", "message"}]`: at `queue_param` when none consumes the queue, else at `/resources/gpus`."""
+    `[{"param", "message"}]`: at `queue_param` when none consumes the queue, else at `gpus_param`."""
     if mode == "no":
         return []
     if mode == "auto" and session.scalar(sa.select(sa.func.count()).select_from(Worker)) == 0:
@@ -80,6 +80,6 @@ def worker_problems(session: Session, *, queue: str, gpus: int, stale_after_s: f
     most = max(w.gpus for w in on_queue)
     if gpus > most:
         has = f"at most {most} GPU{'s' if most != 1 else ''}" if most else "no GPU"
-        return [{"param": "/resources/gpus", "message": f"needs {gpus} GPU{'s' if gpus != 1 else ''}, and the live "
+        return [{"param": gpus_param, "message": f"needs {gpus} GPU{'s' if gpus != 1 else ''}, and the live "
                  f"workers of queue {queue!r} have {has}: use a queue whose workers have them, or fewer GPUs"}]
     return []
