@@ -4,8 +4,9 @@ The parity draft (`peagle.builtin.parity_draft_dir`, built by `peagle fixtures`)
 by the pipeline, whose export carries the reference decoder's per-position acceptance (`parity.json`). Copies
 of it are broken the ways drafts are mis-served in the field: aux layer ids off by one, `mask_hidden` zeroed,
 a norm flag that does not match training (`norm_before_fc` on for a draft trained without the norm; a
-dropped `false` flag is vLLM's default, the same model). `peagle eval --engine vllm` and the job's serve
-check must pass the good export and catch each broken one.
+dropped `false` flag is vLLM's default, the same model). `peagle eval --engine vllm` passes the good export
+and exits 12 on the norm flag; the job's serve check fails on it. The aux-id and mask_hidden breaks do not
+show on this draft (`_NOT_SHOWN`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_the_recorded_draft_accepts_well_enough_for_a_break_to_show(parity_draft
     assert rec["per_position"][0] >= 0.8 and rec["num_drafts"] >= 80, rec
 
 
-def test_peagle_eval_passes_the_good_export_and_exits_12_on_aux_ids_off_by_one(
+def test_peagle_eval_passes_the_good_export_and_exits_12_on_a_norm_flag_not_matching_training(
     parity_draft: Path, tmp_path: Path
 ) -> None:
     prompts = parity_draft / "data" / "prompts.jsonl"
@@ -82,26 +83,33 @@ def test_peagle_eval_passes_the_good_export_and_exits_12_on_aux_ids_off_by_one(
     report = json.loads(good.stdout)
     assert report["parity"]["ok"] is True and report["parity"]["failed_positions"] == []
     assert report["parity"]["parallel_drafting_ok"] is True
+    assert "served parity ok" in good.stdout
 
-    shifted = _copy(parity_draft, tmp_path / "aux")
-    ids = json.loads((shifted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-    _edit_config(shifted, eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids])
-    bad = _peagle_eval(shifted, prompts)
+    flipped = _copy(parity_draft, tmp_path / "norm")
+    _edit_config(flipped, norm_before_fc=True)
+    bad = _peagle_eval(flipped, prompts)
     assert bad.returncode == EXIT_CODES["served_parity_failed"], bad.stderr[-3000:]
     parity = json.loads(bad.stdout)["parity"]  # the report is printed before the exit code says no
-    assert parity["ok"] is False and 0 in parity["failed_positions"]
+    assert parity["ok"] is False and parity["fails"] is True and 0 in parity["failed_positions"]
     error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
-    assert error and error[-1].startswith("error: served parity failed")
-    assert "position 0: vLLM" in error[-1] and "aux_hidden_state_layer_ids off by one" in error[-1]
+    assert len(error) == 1 and error[0].startswith("error: served parity failed")
+    row = parity["positions"][0]
+    assert f"position 0: vLLM {row['vllm']:.2f} vs reference {row['reference']:.2f}" in error[0]
+    assert "norm_before_fc" in error[0] and "aux_hidden_state_layer_ids off by one" in error[0]
+
+
+#: This draft copies the lists it was trained on mostly from its own context: vLLM measured it unchanged
+#: with the aux ids shifted by one (position 0: 0.94 vs 0.93) and with mask_hidden zeroed (positions 1-2 accept
+#: about 0.1-0.2 with or without it), so those two breaks are not caught on it (a draft that leans on the
+#: target's states and its mask slots, as drafts trained on real traffic do, is needed to show them).
+_NOT_SHOWN = pytest.mark.xfail(reason="the parity draft accepts as well with this break", strict=False)
 
 
 @pytest.mark.parametrize("breakage", [
-    # this draft's mask slots accept little (position 1 about 0.1, the same with mask_hidden zeroed in vLLM):
-    # nothing for the gate to see; a draft with real acceptance after a mask slot is needed (not caught yet)
-    pytest.param("mask_hidden_zeroed", marks=pytest.mark.xfail(reason="the parity draft's positions 1.. accept "
-                                                                     "about as little without mask_hidden")),
     "norm_before_fc_on",
-])
+    pytest.param("aux_ids_plus_one", marks=_NOT_SHOWN),
+    pytest.param("mask_hidden_zeroed", marks=_NOT_SHOWN),
+])  # fmt: skip
 def test_the_job_serve_check_fails_a_broken_export_and_keeps_its_results(
     parity_draft: Path, smollm2_path: Path, smollm2_tokenizer: Any, tmp_path: Path, breakage: str
 ) -> None:
@@ -113,6 +121,9 @@ def test_the_job_serve_check_fails_a_broken_export_and_keeps_its_results(
     export = _copy(parity_draft, tmp_path / "export")
     if breakage == "mask_hidden_zeroed":
         _zero_mask_hidden(export)
+    elif breakage == "aux_ids_plus_one":
+        ids = json.loads((export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        _edit_config(export, eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids])
     else:
         _edit_config(export, norm_before_fc=True)
     rec = read_parity(export)
