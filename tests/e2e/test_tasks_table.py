@@ -25,6 +25,7 @@ def test_job_page_shows_the_tasks_table(page: Any, server: Server, feeder: Any) 
     feeder.claim(job_id)
     with session_scope(feeder.sessions) as s:  # the job is split: its chunks run on two engine workers
         job = s.get(Job, job_id)
+        assert job is not None
         job.spec = {**job.spec, "resources": {**job.spec["resources"], "engine": {"gpus": 0, "replicas": 2}}}
         assert et.plan_sends(s, job_id, kind="capture", pending=[0, 1, 2], generation=1, replicas=3,
                              lease_seconds=600, max_attempts=3) == ([0, 1, 2], [])
