@@ -1,5 +1,5 @@
 """The served-parity gate: does vLLM accept, position by position, what the same weights accepted in the
-reference decoder under the training run's own settings? (docs/export.md section 7)
+reference decoder under the training run's own settings? (docs/export.md 7)
 
     record = parity_record(report, prompt_set="humaneval", prompts=ids, num_speculative_tokens=4,
                            max_new_tokens=64, checkpoint="step_000240")      # written as RUN/export/parity.json
