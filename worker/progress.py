@@ -213,7 +213,8 @@ class ProgressCollector:
     def _checkpoint_eval(self, rec: dict[str, Any]) -> None:
         """An eval naming `checkpoint_step` (the pipeline's final AL of the best checkpoint, the serve
         check) is also recorded on that checkpoint: its measured AL keys into the checkpoint's metrics, its
-        `evaluation` object (engine, AL per prompt set, serving speedup, hardware) into its evaluation."""
+        `evaluation` object (engine, AL per prompt set, serving speedup, hardware) into its evaluation, its
+        `files` (the parity record written into the checkpoint's folder) into its files."""
         step = rec.get("checkpoint_step")
         raw = rec.get("metrics")
         if not isinstance(step, int) or isinstance(step, bool) or not isinstance(raw, dict):
@@ -223,7 +224,10 @@ class ProgressCollector:
         entry = CheckpointMetrics(step=step, metrics=values)
         if isinstance(evaluation, dict) and evaluation:
             entry["evaluation"] = evaluation
-        if values or "evaluation" in entry:
+        files = [f for f in rec.get("files") or [] if isinstance(f, dict) and isinstance(f.get("path"), str)]
+        if files:  # written into its folder after the save (the parity record): its download carries them
+            entry["files"] = files
+        if values or "evaluation" in entry or "files" in entry:
             self.batch.checkpoint_metrics.append(entry)
 
     def _eval_metrics(self, rec: dict[str, Any], when: datetime) -> None:

@@ -13,7 +13,9 @@ The decoder is `peagle.eval.decoder.measuring_engine`'s (the resolved `eval.engi
    (`publish_export`).
    With the reference decoder, RUN/export/parity.json records its acceptance per draft position on the first
    set with the prompts' token ids, K and max_new_tokens (`peagle.eval.parity.parity_record`); the `eval`
-   event's evaluation carries it without the prompts (`parity_reference`).
+   event's evaluation carries it without the prompts (`parity_reference`). The record is also written into
+   the best checkpoint's folder, and the `eval` event's `files` lists it (path, size, sha256): the service
+   adds it to that checkpoint's files, so a downloaded checkpoint carries it too (docs/export.md 7).
 3. `serve_check` (reference engine with `eval.serve_check`): vLLM loads RUN/export with parallel drafting,
    measures the recorded prompts (and the speedup) and is compared with the reference decoder; the
    served-parity gate (`peagle.eval.parity.check_parity`) fails the phase with `ServedParityError`
@@ -23,6 +25,7 @@ The decoder is `peagle.eval.decoder.measuring_engine`'s (the resolved `eval.engi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -37,7 +40,7 @@ from peagle.progress import ProgressSink
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 
-__all__ = ["al_text", "best_checkpoint", "evaluate_export", "evaluate_run", "evaluation_summary", "publish_export",
+__all__ = ["al_text", "attach_parity", "best_checkpoint", "evaluate_export", "evaluate_run", "evaluation_summary", "publish_export",
            "reference_parity", "serve_check"]
 
 #: Report fields left out of events and eval.json (token ids of every output, raw counters, per-request
@@ -236,6 +239,18 @@ def _write_json(path: Path, data: Any) -> None:
     atomic_write_json(path, data, indent=2, sort_keys=True, default=str, newline=True)
 
 
+def attach_parity(ckpt: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Write the parity record into checkpoint folder `ckpt` (atomically) so its download carries it.
+
+    Returns:
+        its checkpoint file entry `{path, size, sha256}` (the format of a `checkpoint` event's `files`).
+    """
+    path = ckpt / PARITY_FILE
+    _write_json(path, record)
+    data = path.read_bytes()
+    return {"path": PARITY_FILE, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def serve_check(
     spec: TrainSpec, export_dir: Path, tok: Any, k: int, sink: ProgressSink, target_path: Path | str,
     sources: PromptSources | None = None,
@@ -324,11 +339,13 @@ def evaluate_run(
                               target_dtype=str(next(model.parameters()).dtype).removeprefix("torch.")) \
         if engine == "reference" else None
     evaluation = evaluation_summary(result.eval)
+    added: dict[str, Any] = {}
     if record is not None:
         evaluation["parity_reference"] = parity_summary(record)
+        added["files"] = [attach_parity(best, record)]  # added to the checkpoint's file list
     # `checkpoint_step` lets the service record this AL (and the evaluation) on the evaluated checkpoint.
     sink.event("eval", metrics=_slim(result.eval), checkpoint=best.name, checkpoint_step=_step_of(best.name),
-               evaluation=evaluation)
+               evaluation=evaluation, **added)
 
     sink.event("phase", phase="exporting", message="RUN/export = the best checkpoint's vLLM export")
     export_dir = publish_export(best, run / "export")

@@ -161,6 +161,8 @@ class CheckpointMetrics(TypedDict):
     step: int
     metrics: dict[str, float]
     evaluation: NotRequired[dict[str, Any]]
+    #: files written into the checkpoint's folder after it was saved (`{path, size, sha256}`: the parity record)
+    files: NotRequired[list[dict[str, Any]]]
 
 
 @dataclass
@@ -450,7 +452,8 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
     for ck in batch.checkpoints:
         _upsert_checkpoint(session, lease, ck, now)
     for cm in batch.checkpoint_metrics:
-        _merge_checkpoint_metrics(session, jid, int(cm["step"]), cm.get("metrics") or {}, cm.get("evaluation"))
+        _merge_checkpoint_metrics(session, jid, int(cm["step"]), cm.get("metrics") or {}, cm.get("evaluation"),
+                                  cm.get("files"))
     if batch.missing_checkpoint_steps:
         session.execute(
             sa.update(Checkpoint)
@@ -462,18 +465,22 @@ def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None
 
 
 def _merge_checkpoint_metrics(session: Session, job_id: str, step: int, metrics: dict[str, Any],
-                              evaluation: dict[str, Any] | None = None) -> None:
-    """Add `metrics` to an existing checkpoint's metrics and `evaluation`'s top-level keys to its evaluation
-    (a later measurement wins); no row, no-op."""
+                              evaluation: dict[str, Any] | None = None,
+                              files: list[dict[str, Any]] | None = None) -> None:
+    """Add `metrics` to an existing checkpoint's metrics, `evaluation`'s top-level keys to its evaluation and
+    `files` to its files (by path; a later measurement or file wins); no row, no-op."""
     current = session.execute(
-        sa.select(Checkpoint.metrics, Checkpoint.evaluation).where(Checkpoint.job_id == job_id,
-                                                                    Checkpoint.step == step)
+        sa.select(Checkpoint.metrics, Checkpoint.evaluation, Checkpoint.files)
+        .where(Checkpoint.job_id == job_id, Checkpoint.step == step)
     ).first()
-    if current is None or not (metrics or evaluation):
+    if current is None or not (metrics or evaluation or files):
         return
     values: dict[str, Any] = {"metrics": {**(current[0] or {}), **metrics}}
     if evaluation:
         values["evaluation"] = {**(current[1] or {}), **evaluation}
+    if files:
+        added = {str(f["path"]): f for f in files}
+        values["files"] = [f for f in current[2] or [] if f.get("path") not in added] + list(added.values())
     session.execute(
         sa.update(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
         .values(**values).execution_options(synchronize_session=False)
