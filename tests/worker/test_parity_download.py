@@ -66,6 +66,7 @@ def test_eval_files_merge_into_the_checkpoint_by_path(factory) -> None:
     job_id = new_job(factory)
     with session_scope(factory) as s:
         lease = L.claim_job(s, job_id, owner="w1", lease_seconds=60.0, artifact_dir="/tmp/x")
+    assert lease is not None
     weights = {"path": "model.safetensors", "size": 3, "sha256": "a" * 64}
     c = ProgressCollector()
     c.add({"type": "event", "kind": "checkpoint", "step": 4, "files": [weights], "is_best": True})
