@@ -22,7 +22,16 @@ i.e. vLLM accepts less than the reference by more than Z = 3 binomial standard e
 FLOOR = 0.05 (bf16 serving vs the fp32 reference flips a few argmaxes, and greedy outputs then diverge).
 Only a drop fails (a mis-served draft never accepts more); a gain is reported. Worked example: p_r = 0.80
 over 100 drafts, p_v = 0.60 over 110: p = 0.695, tolerance 3 * sqrt(0.695 * 0.305 * (1/100 + 1/110)) = 0.19,
-the drop 0.20 fails; p_v = 0.65 passes. vLLM not drafting in parallel fails on its own. A record measured
+the drop 0.20 fails; p_v = 0.65 passes. vLLM not drafting in parallel fails on its own.
+
+The per-request rule, on the prompts both engines decoded alike (`same_path`): the same draft on the same
+tokens accepts alike, draft by draft, so each such prompt's acceptance histogram (`histogram[j]` = drafts
+with exactly j tokens accepted) should equal the reference's. A near-tie in the draft's logits (bf16 vs the
+reference's kernels) can change one draft of a prompt, so a few differ even on a good export; a broken export
+(aux ids shifted, `mask_hidden` zeroed) changes the proposals throughout while the aggregate rates may not
+move. With at least MIN_REQUESTS alike prompts it fails when fewer than AGREEMENT of them match exactly
+(`request_agreement`). Measured on the parity fixture in vLLM (5 alike prompts): good 4 of 5, aux ids + 1
+2 of 5, mask_hidden zeroed 1 of 5, norm flag flipped 1 of 5. A record measured
 with the target in float32 (vLLM serves bfloat16) is compared and reported, never enforced. Torch-free and pure.
 """
 
@@ -38,18 +47,22 @@ from typing import Any
 from peagle.eval.acceptance import compute_acceptance
 
 __all__ = [
+    "AGREEMENT",
     "FLOOR",
+    "MIN_REQUESTS",
     "PARITY_FILE",
     "SERVED_DTYPE",
     "USUAL_CAUSES",
     "ParityResult",
     "PositionCheck",
     "Z",
+    "agreement_holds",
     "check_parity",
     "parity_record",
     "parity_summary",
     "position_tolerance",
     "read_parity",
+    "request_agreement",
     "same_path",
 ]
 
@@ -61,6 +74,10 @@ PARITY_VERSION = 2
 Z = 3.0
 #: The smallest tolerated drop (numerical differences between the engines).
 FLOOR = 0.05
+#: The smallest share of alike-decoded prompts whose acceptance histograms must equal the reference's.
+AGREEMENT = 0.6
+#: The fewest alike-decoded prompts the per-request rule is applied on (fewer: not applied).
+MIN_REQUESTS = 4
 #: The dtype vLLM serves the target and the draft in (`peagle.engine.probe`): a record measured with the
 #: target in another dtype (a float32 job) follows other greedy paths, so its verdict is reported, not enforced.
 SERVED_DTYPE = "bfloat16"
@@ -149,6 +166,13 @@ class ParityResult:
     reference_al: float | None = None
     vllm_al: float | None = None
     parallel_drafting_ok: bool | None = None
+    requests_matching: int = 0
+    requests_compared: int = 0
+
+    @property
+    def agreement_ok(self) -> bool:
+        """The per-request rule (module docstring); True when too few prompts were compared to apply it."""
+        return agreement_holds(self.requests_matching, self.requests_compared)
 
     @property
     def fails(self) -> bool:
@@ -166,6 +190,8 @@ class ParityResult:
             "positions": [p.__dict__ for p in self.positions], "reference_acceptance_length": self.reference_al,
             "vllm_acceptance_length": self.vllm_al, "parallel_drafting_ok": self.parallel_drafting_ok,
             "tolerance": {"z": Z, "floor": FLOOR},
+            "requests": {"matching": self.requests_matching, "compared": self.requests_compared,
+                         "ok": self.agreement_ok, "agreement": AGREEMENT, "min_requests": MIN_REQUESTS},
         }  # fmt: skip
 
 
@@ -199,6 +225,40 @@ def same_path(reference: Mapping[str, Any], vllm: Mapping[str, Any]
     return sub(reference, r_h), sub(vllm, v_h), len(keep), len(r_out)
 
 
+def _trimmed(hist: Sequence[int]) -> list[int]:
+    out = [int(x) for x in hist]
+    while out and out[-1] == 0:
+        out.pop()
+    return out
+
+
+def request_agreement(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> tuple[int, int]:
+    """How many prompts decoded alike by both engines have the same acceptance histogram in both.
+
+    Args:
+        reference, vllm: reports with `outputs` (per prompt: generated token ids) and `histograms` (per prompt:
+            `histogram[j]` = drafts with exactly j tokens accepted), prompts in the same order.
+
+    Returns:
+        (matching, compared): compared = prompts with identical outputs and at least one draft on either side;
+        (0, 0) without outputs and histograms on both sides.
+    """
+    r_out, v_out = reference.get("outputs") or [], vllm.get("outputs") or []
+    r_h, v_h = reference.get("histograms") or [], vllm.get("histograms") or []
+    if not (r_out and v_out and len(r_out) == len(v_out) == len(r_h) == len(v_h)):
+        return 0, 0
+    pairs = [(_trimmed(r_h[i]), _trimmed(v_h[i])) for i in range(len(r_out)) if list(r_out[i]) == list(v_out[i])]
+    pairs = [(a, b) for a, b in pairs if a or b]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+def agreement_holds(matching: int, compared: int, *, agreement: float = AGREEMENT,
+                    min_requests: int = MIN_REQUESTS) -> bool:
+    """The per-request rule: True unless at least `min_requests` prompts were compared and fewer than
+    `agreement` of them matched."""
+    return compared < min_requests or matching >= agreement * compared
+
+
 def check_parity(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> ParityResult:
     """Compare vLLM's per-position acceptance with the recorded reference (module docstring).
 
@@ -208,6 +268,7 @@ def check_parity(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> Parit
             `measure_vllm` set report with the engine facts): `per_position`, `num_drafts`, and
             `parallel_drafting_ok` / `problems` when known.
     """
+    matching, compared = request_agreement(reference, vllm)
     reference, vllm, kept, total = same_path(reference, vllm)
     p_ref = [float(x) for x in reference.get("per_position") or []]
     p_v = [float(x) for x in vllm.get("per_position") or []]
@@ -223,6 +284,10 @@ def check_parity(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> Parit
         problems.append("vLLM drafted nothing on the recorded prompts")
     elif len(p_v) < len(p_ref):
         problems.append(f"vLLM drafted {len(p_v)} positions, the reference {len(p_ref)}")
+    if not agreement_holds(matching, compared):
+        problems.append(f"per-request acceptance differs: the acceptance histograms match the reference's on "
+                        f"{matching} of {compared} prompts decoded alike (at least {AGREEMENT:.0%} must: the same "
+                        f"draft on the same tokens accepts alike)")
     bad = [c for c in checks if not c.ok]
     if bad:
         listed = ", ".join(f"position {c.position}: vLLM {c.vllm:.2f} vs reference {c.reference:.2f} "
@@ -252,4 +317,5 @@ def check_parity(reference: Mapping[str, Any], vllm: Mapping[str, Any]) -> Parit
                    f"position within tolerance ({drafts})")
     return ParityResult(ok=not problems, message=message, enforced=enforced, positions=checks, reference_al=ref_al,
                         vllm_al=v_al,
-                        parallel_drafting_ok=parallel if isinstance(parallel, bool) else None)
+                        parallel_drafting_ok=parallel if isinstance(parallel, bool) else None,
+                        requests_matching=matching, requests_compared=compared)

@@ -8,14 +8,18 @@ from pathlib import Path
 import pytest
 
 from peagle.eval.parity import (
+    AGREEMENT,
     FLOOR,
+    MIN_REQUESTS,
     PARITY_FILE,
     USUAL_CAUSES,
+    agreement_holds,
     check_parity,
     parity_record,
     parity_summary,
     position_tolerance,
     read_parity,
+    request_agreement,
 )
 
 
@@ -92,3 +96,44 @@ def test_only_prompts_with_the_same_generated_tokens_are_compared() -> None:
     # most prompts on other paths: not comparable, reported only
     other = {**broken, "outputs": [[0], [0], [5, 6]]}
     assert not check_parity(ref, other).ok and not check_parity(ref, other).fails
+
+
+# the parity fixture's 5 prompts decoded alike by both engines, histograms as measured (reference, then vLLM)
+_REF = [[0, 5, 2, 4], [0, 16, 0, 0], [2, 6, 2, 3], [1, 14, 1, 0], [2, 15, 0, 0]]
+_GOOD = [[0, 8, 1, 3], [0, 16, 0, 0], [2, 6, 2, 3], [1, 14, 1, 0], [2, 15, 0, 0]]
+_AUX = [[1, 4, 1, 5], [0, 16, 0, 0], [1, 6, 1, 4], [0, 16, 0, 0], [2, 15, 0, 0]]
+
+
+def _reports(ref_h: list[list[int]], v_h: list[list[int]]) -> tuple[dict[str, object], dict[str, object]]:
+    from peagle.eval.acceptance import compute_acceptance
+
+    outs = [[i, i + 1] for i in range(len(ref_h))]
+    ref = {**compute_acceptance(ref_h).to_dict(), "outputs": outs, "histograms": ref_h, "target_dtype": "bfloat16"}
+    vllm = {**compute_acceptance(v_h).to_dict(), "outputs": outs, "histograms": v_h, "parallel_drafting_ok": True}
+    return ref, vllm
+
+
+def test_request_agreement_counts_equal_histograms_on_prompts_decoded_alike() -> None:
+    ref = {"outputs": [[1], [2], [3], [4]], "histograms": [[0, 3], [1, 2, 0], [4, 0], []]}
+    vllm = {"outputs": [[1], [2], [9], [4]], "histograms": [[0, 3], [1, 2], [4, 0], []]}
+    # prompt 2 decoded differently: not compared; prompt 3 drafted nothing: not compared; trailing zeros equal
+    assert request_agreement(ref, vllm) == (2, 2)
+    assert request_agreement(ref, {**vllm, "histograms": [[1, 2], [1, 2], [4, 0], []]}) == (1, 2)
+    assert request_agreement({"per_position": [0.5]}, vllm) == (0, 0)  # an older record: nothing compared
+
+
+def test_agreement_rule_threshold_and_minimum() -> None:
+    assert agreement_holds(3, 5) and not agreement_holds(2, 5)  # AGREEMENT = 0.6
+    assert agreement_holds(0, MIN_REQUESTS - 1)  # too few prompts: not applied
+    assert not agreement_holds(0, MIN_REQUESTS) and AGREEMENT == 0.6
+
+
+def test_a_draft_whose_proposals_changed_fails_even_when_its_rates_hold() -> None:
+    # aux ids shifted by one on the parity fixture: the rates hold, the per-prompt histograms do not
+    res = check_parity(*_reports(_REF, _AUX))
+    assert res.failed_positions == [] and res.fails
+    assert (res.requests_matching, res.requests_compared) == (2, 5) and not res.agreement_ok
+    assert "acceptance histograms match the reference's on 2 of 5 prompts decoded alike" in res.message
+    assert res.message.startswith("served parity failed") and res.to_dict()["requests"]["ok"] is False
+    good = check_parity(*_reports(_REF, _GOOD))  # one prompt differs by a near-tie: passes
+    assert good.ok and (good.requests_matching, good.requests_compared) == (4, 5)
