@@ -221,7 +221,10 @@ ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.
                                              ("optim", "ema_decay"): 0.0,
                                              ("peagle", "logit_mse"): 0.0,
                                              ("draft", "mask_hidden_init"): "random",
-                                             ("optim", "layer_lr_scale"): 1.0}
+                                             ("optim", "layer_lr_scale"): 1.0,
+                                             ("draft", "init_from"): None,
+                                             ("resources", "engine"): None,
+                                             ("resources", "trainer"): None}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
