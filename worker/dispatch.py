@@ -6,7 +6,8 @@
 
 The trainer says which chunks it is ready for through the protocol's files (`peagle.target.remote`:
 ``release.json`` keeps the bytes ahead of it within `resources.feature_disk_gb`); each tick the dispatcher
-sends the released chunks that are not done as `peagle.engine_chunk` tasks to the engine queue, at most
+sends the regeneration's chunks (`peagle.data.remote_regen`) and the released capture chunks that are not
+done as `peagle.engine_chunk` tasks to the engine queue, at most
 `resources.engine.replicas` in flight, records them (`service.db.engine_tasks`), sends again a chunk
 whose engine worker lost its lease, and writes ``failed.json`` (raised in the trainer) for a chunk that
 failed `MAX_ATTEMPTS` times. Chunks of a job go FIFO on the one engine queue: an engine worker keeps its
@@ -44,6 +45,7 @@ class ChunkDispatcher:
 
     def __init__(self, settings: Settings, factory: sessionmaker[Session], *, job_id: str, queue: str, run_dir: Path,
                  spec: Any, send: Callable[[str, str, int, str], str] | None = None) -> None:
+        from peagle.data.remote_regen import regen_dir
         from peagle.target.remote import remote_dir
 
         engine = spec.resources.engine
@@ -51,6 +53,7 @@ class ChunkDispatcher:
         self.queue = engine.queue or engine_queue(queue)
         self.replicas = int(engine.replicas)
         self.d = remote_dir(run_dir)
+        self.regen = regen_dir(run_dir)  # the regeneration's chunks (`peagle.data.remote_regen`)
         self._send = send
         self._producer: Any = None
         self.sent = 0
@@ -64,12 +67,14 @@ class ChunkDispatcher:
 
     def tick(self) -> None:
         """Send what the trainer released and is neither done nor in flight."""
+        from peagle.data.remote_regen import pending_regen_chunks
         from peagle.target.remote import eval_pending, pending_chunks, read_plan
 
-        if read_plan(self.d) is None:
-            return
-        rel = read_json(self.d / "release.json") if (self.d / "release.json").exists() else None
-        todo: list[tuple[str, list[int], int]] = [("eval", [0] if eval_pending(self.d) else [], 0)]
+        todo: list[tuple[str, list[int], int]] = [("regenerate", pending_regen_chunks(self.regen), 0)]
+        rel = None
+        if read_plan(self.d) is not None:
+            rel = read_json(self.d / "release.json") if (self.d / "release.json").exists() else None
+            todo.append(("eval", [0] if eval_pending(self.d) else [], 0))
         if isinstance(rel, dict):
             todo.append(("capture", pending_chunks(self.d), int(rel["generation"])))
         for kind, pending, generation in todo:

@@ -1,6 +1,7 @@
 """The engine side of a split job (`resources.engine`, issue 37): the Celery task `peagle.engine_chunk`.
 
-    peagle.engine_chunk(job_id, kind, index)    # kind: capture (micro-batches) or eval (held-out shards)
+    peagle.engine_chunk(job_id, kind, index)    # kind: capture (micro-batches), eval (held-out shards) or
+                                                # regenerate (a conversation range, `peagle.data.remote_regen`)
 
 An engine worker (`python -m worker --role engine`) runs it in its main process (the `solo` pool,
 `service.queue.ENGINE_DELIVERY`): the task takes the chunk in the database (`service.db.engine_tasks`: its
@@ -138,6 +139,7 @@ def _job_stopping(settings: Settings, job_id: str) -> bool:
 def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker: str | None = None,
               warm: WarmEngine | None = None) -> str:
     """Run one chunk of `job_id` on this engine worker; returns the chunk's final state (or `skipped`)."""
+    from peagle.data import remote_regen
     from peagle.target import remote
 
     name = worker or f"{socket.gethostname()}:{os.getpid()}"
@@ -146,8 +148,10 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
     factory = make_session_factory(engine)
     run = settings.resolved_artifact_root() / job_id
     d = remote.remote_dir(run)
+    if kind == "regenerate":
+        d = remote_regen.regen_dir(run)
     try:
-        plan = remote.read_plan(d)
+        plan = remote_regen.read_regen_plan(d) if kind == "regenerate" else remote.read_plan(d)
         gpus = int(((plan or {}).get("spec", {}).get("resources", {}).get("engine") or {}).get("gpus", 0))
         with session_scope(factory) as s:
             generation = start_chunk(s, job_id, kind, index, worker=name, gpus=gpus,
@@ -180,15 +184,24 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
             return remote.start_capture_engine(plan, storage_dir=storage, log_path=run / "logs" / f"engine-{name.replace(':', '-')}.log",
                                                devices=_devices(gpus))
 
+        def start_generate() -> Any:
+            return remote_regen.start_generate_engine(
+                plan, log_path=run / "logs" / f"engine-{name.replace(':', '-')}.log", devices=_devices(gpus))
+
         try:
-            capture = warm.get(remote.engine_key(plan), start).capture(plan)
-            if kind == "eval":
+            if kind == "regenerate":
+                gen = warm.get(remote.engine_key(plan), start_generate)
+                regen = remote_regen.run_regen_chunk(d, index, gen.tokenizer, gen.backend, worker=name)
+                stats: dict[str, Any] | None = {"tokens": regen["tokens"], "seconds": regen["seconds"]}
+            elif kind == "eval":
+                capture = warm.get(remote.engine_key(plan), start).capture(plan)
                 import torch
 
                 dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
                     str(plan["spec"]["target"].get("dtype")), torch.bfloat16)
-                stats: dict[str, Any] | None = remote.run_eval_chunk(d, capture, aux_dtype=dtype, worker=name)
+                stats = remote.run_eval_chunk(d, capture, aux_dtype=dtype, worker=name)
             else:
+                capture = warm.get(remote.engine_key(plan), start).capture(plan)
                 stats = remote.run_capture_chunk(d, index, capture, worker=name, should_stop=stop.is_set)
         except Exception as exc:  # the task boundary: recorded, the dispatcher re-sends or fails the job
             done.set()

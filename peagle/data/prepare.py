@@ -264,6 +264,8 @@ def prepare_data(
     regen_dropped: dict[int, str] = {}
     regen_report: dict[str, Any] | None = None
     if plan is not None and chat:
+        if spec.resources.engine is not None and plan.settings.engine == "vllm":
+            _regenerate_on_engine_workers(spec, plan, convs, Path(run_dir), sink)
         regen_dropped, regen_report, chat, convs = _regenerate(plan, tokenizer, chat, convs, sink)
     encoded = tokenize_many(tokenizer, convs, max_length=d.max_length, think=d.think, workers=workers)
     docs: dict[int, tuple[list[int], list[int]]] = {}
@@ -368,6 +370,43 @@ def prepare_data(
         f"Vd={vocab.draft_vocab_size}, mask token {mask_id} ({how})",
     )
     return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
+
+
+def _regenerate_on_engine_workers(spec: TrainSpec, plan: RegenPlan, convs: list[Any], run: Path,
+                                   sink: ProgressSink | None) -> None:
+    """A split job (`resources.engine`): the conversations the cache lacks are answered by the engine
+    workers (`peagle.data.remote_regen`), their answers merged into the cache; `_regenerate` then finds
+    every one cached and starts no engine."""
+    from peagle.data.regenerate import _usable, with_answer_slot
+    from peagle.data.regenerate_cache import RegenCache, conversation_key, regen_cache_dir
+    from peagle.data.remote_regen import merge_chunks, regen_dir, regen_plan, wait_for_regen, write_regen_plan
+    from peagle.target.remote import remote_dir
+
+    slotted = [with_answer_slot(list(c)) for c in convs]
+    keys = [conversation_key(plan.group, c) for c in slotted]
+    cache_dir = regen_cache_dir()
+    with RegenCache(cache_dir, plan.group) as cache:
+        have = cache.load(keys, usable=_usable(plan.settings.on_length))
+    todo: dict[str, list[dict[str, str]]] = {}
+    for k, c in zip(keys, slotted, strict=True):
+        if k not in have:
+            todo.setdefault(k, c)
+    if not todo:
+        return
+    assert spec.resources.engine is not None
+    replicas = int(spec.resources.engine.replicas)
+    size = max(1, min(32, -(-len(todo) // (2 * replicas))))
+    rplan = regen_plan(keys=list(todo), settings=plan.settings, identity=plan.identity, group=plan.group,
+                       spec=spec.model_dump(mode="json"), chunk_size=size)
+    d = regen_dir(run)
+    remote_dir(run).mkdir(parents=True, exist_ok=True)  # where the dispatcher writes failed.json
+    _emit(sink, "phase", phase="regenerating",
+          message=f"regenerating the answers of {len(todo)} conversations on engine workers "
+                  f"({len(rplan['chunks'])} chunks)")
+    write_regen_plan(d, rplan, list(todo.values()))
+    wait_for_regen(d, failed_file=remote_dir(run) / "failed.json")
+    n = merge_chunks(d, cache_dir)
+    _log(sink, f"regeneration on engine workers: {n} answers merged into the cache")
 
 
 def _regenerate(plan: RegenPlan, tokenizer: Any, chat: list[int], convs: list[Any], sink: ProgressSink | None

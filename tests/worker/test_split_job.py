@@ -3,8 +3,9 @@
 One stack for the module: PostgreSQL, Redis (broker and live channel), two engine workers
 (`python -m worker --role engine`) and one trainer worker (`--role trainer`) sharing the artifact folder.
 
-- A job with `resources.engine` (replicas 2, capture online) runs through; its chunks ran on both engine
-  workers (the `engine_task` table), the trainer read every micro-batch once in order (`consumed.log`), and
+- A job with `resources.engine` (replicas 2, regeneration and capture online in vLLM) runs through; its
+  regeneration and capture chunks ran on the engine workers (the `engine_task` table; the trainer generated
+  no answer and started no engine), the trainer read every micro-batch once in order (`consumed.log`), and
   its first-step loss and exported weights equal the same spec without `resources.engine`, run whole by one
   worker.
 - kill -9 of an engine worker mid-chunk: another one redoes the chunk, the job succeeds, the trainer read
@@ -60,14 +61,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, red
             conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
-def split_spec(engine: bool, steps: int = 4) -> dict[str, Any]:
-    """A small SmolLM2 job, capture online in vLLM; with `engine`, split over engine workers."""
+def split_spec(engine: bool, steps: int = 4, regen: bool = False) -> dict[str, Any]:
+    """A small SmolLM2 job, capture online in vLLM (with `regen`, its answers regenerated in vLLM first);
+    with `engine`, split over engine workers."""
     from peagle.spec import parse_spec, preset
 
     spec = preset("demo").model_dump(mode="json")
     spec["data"].update(sources=[{"path": "builtin:sharegpt", "max_samples": 16, "skip": 0, "format": "auto"}],
                         max_length=192, eval_samples=2)
-    spec["data"]["regenerate"]["enabled"] = False
+    spec["data"]["regenerate"].update(enabled=regen, engine="vllm", max_new_tokens=12)
     spec["draft"].update(num_layers=1, draft_vocab_size=2048)
     spec["peagle"]["num_depths"] = 3
     spec["optim"].update(max_steps=steps, pack_length=256, epochs=max(1, steps // 2))
@@ -113,19 +115,34 @@ def finished(stack: Stack, job_id: str, status: str = "succeeded") -> Any:
     return job
 
 
+def regen_report(stack: Stack, job_id: str) -> dict[str, Any]:
+    import json
+
+    run = stack.settings.resolved_artifact_root() / job_id
+    return dict(json.loads((run / "data" / "report.json").read_text())["regeneration"])
+
+
 def test_split_job_equals_one_worker(stack):
-    split = stack.submit(split_spec(engine=True))
+    split = stack.submit(split_spec(engine=True, regen=True))
     finished(stack, split)
     tasks = rows_of(stack, split)
     assert all(t.state == "done" for t in tasks), [(t.kind, t.index, t.state, t.error) for t in tasks]
     assert len({t.worker for t in tasks}) == 2, "chunks did not spread over both engine workers"
+    regen = [t for t in tasks if t.kind == "regenerate"]
+    assert len(regen) >= 2 and {t.kind for t in tasks} >= {"regenerate", "capture"}
     assert consumed(stack, split) == list(range(len(consumed(stack, split)))) != []
     run = stack.settings.resolved_artifact_root() / split
     assert not list((run / "data" / "features" / "remote").glob("mb_*"))  # every consumed file deleted
+    # the trainer generated nothing itself: every answer came from the engine workers' chunks
+    rep = regen_report(stack, split)
+    assert rep["generated"] == 0 and rep["cached"] > 0, rep  # (a conversation with nothing to ask is not cached)
+    assert not (run / "logs" / "engine-regenerate.log").exists()
+    Path(rep["cache_file"]).unlink()  # the one-worker run regenerates on its own
 
-    one = stack.submit(split_spec(engine=False))  # the same spec run whole by one worker
+    one = stack.submit(split_spec(engine=False, regen=True))  # the same spec run whole by one worker
     finished(stack, one)
     assert not rows_of(stack, one)
+    assert regen_report(stack, one)["generated"] > 0
     assert first_loss(stack, split) == first_loss(stack, one)
     a, b = weights(run), weights(stack.settings.resolved_artifact_root() / one)
     assert a.keys() == b.keys()
