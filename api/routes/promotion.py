@@ -21,7 +21,7 @@ from api.errors import ApiError, spec_error
 from api.openapi import AUTH, error_responses
 from api.routes.jobs import _preflight, deep_merge, load_job, submit
 from api.schemas import JobOut, Tag, job_public
-from peagle.spec import SpecInvalidError, parse_spec
+from peagle.spec import DATASET_PREFIX, SpecInvalidError, parse_spec
 from service.db import promotion, states
 
 router = APIRouter(tags=["promotion"])
@@ -130,7 +130,7 @@ def retrain_job(job_id: str, body: RetrainRequest, state: State, session: DB, pr
     if parent.status != states.SUCCEEDED:
         raise ApiError(409, "conflict", f"job {parent.id} is {parent.status}: only a succeeded job can be retrained",
                        param="/job_id")
-    sources = [{"path": f"dataset:{d}"} for d in body.datasets] + list(body.sources)
+    sources = [{"path": f"{DATASET_PREFIX}{d}"} for d in body.datasets] + list(body.sources)
     if not sources:
         raise ApiError(422, "validation_error", "name the new data: 'datasets' (uploaded dataset ids) or 'sources'",
                        param="/datasets", details=[{"param": "/datasets", "message": "no new data"}])

@@ -14,6 +14,7 @@ import typer
 
 from peagle.cli.jobs import _KEY, _URL, _client, _fail, _print
 from peagle.client import PeagleClient, ServiceError
+from peagle.spec import DATASET_PREFIX
 
 __all__ = ["promotion_app", "register"]
 
@@ -26,8 +27,8 @@ def _data(c: PeagleClient, values: list[str]) -> tuple[list[str], list[dict[str,
     datasets: list[str] = []
     sources: list[dict[str, Any]] = []
     for v in values:
-        if v.startswith("dataset:"):
-            datasets.append(v.removeprefix("dataset:"))
+        if v.startswith(DATASET_PREFIX):
+            datasets.append(v.removeprefix(DATASET_PREFIX))
         elif v.startswith("builtin:"):
             sources.append({"path": v})
         elif Path(v).is_file():
