@@ -45,8 +45,7 @@ class ChunkDispatcher:
 
     def __init__(self, settings: Settings, factory: sessionmaker[Session], *, job_id: str, queue: str, run_dir: Path,
                  spec: Any, send: Callable[[str, str, int, str], str] | None = None) -> None:
-        from peagle.data.remote_regen import regen_dir
-        from peagle.target.remote import remote_dir
+        from peagle.data.remote_regen import regen_dir, remote_dir
 
         engine = spec.resources.engine
         self.settings, self.factory, self.job_id = settings, factory, job_id

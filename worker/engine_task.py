@@ -147,7 +147,7 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
     engine = make_engine(settings.resolved_database_url())
     factory = make_session_factory(engine)
     run = settings.resolved_artifact_root() / job_id
-    d = remote.remote_dir(run)
+    d = remote_regen.remote_dir(run)
     if kind == "regenerate":
         d = remote_regen.regen_dir(run)
     try:
@@ -185,7 +185,7 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
                                                devices=_devices(gpus))
 
         def start_generate() -> Any:
-            return remote_regen.start_generate_engine(
+            return remote.start_generate_engine(
                 plan, log_path=run / "logs" / f"engine-{name.replace(':', '-')}.log", devices=_devices(gpus))
 
         try:

@@ -33,7 +33,9 @@ def fixtures_cmd(
     if which in ("tiny", "all"):
         typer.echo(f"tiny: {builtin.tiny_llama_dir()}")
     if which in ("parity", "all"):
-        typer.echo(f"parity: {builtin.parity_draft_dir()}")
+        from peagle.parity_fixture import parity_draft_dir
+
+        typer.echo(f"parity: {parity_draft_dir()}")
 
 
 from peagle.cli import run as cli_run  # noqa: E402 - train, export, eval, validate

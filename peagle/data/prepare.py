@@ -379,8 +379,14 @@ def _regenerate_on_engine_workers(spec: TrainSpec, plan: RegenPlan, convs: list[
     every one cached and starts no engine."""
     from peagle.data.regenerate import _usable, with_answer_slot
     from peagle.data.regenerate_cache import RegenCache, conversation_key, regen_cache_dir
-    from peagle.data.remote_regen import merge_chunks, regen_dir, regen_plan, wait_for_regen, write_regen_plan
-    from peagle.target.remote import remote_dir
+    from peagle.data.remote_regen import (
+        merge_chunks,
+        regen_dir,
+        regen_plan,
+        remote_dir,
+        wait_for_regen,
+        write_regen_plan,
+    )
 
     slotted = [with_answer_slot(list(c)) for c in convs]
     keys = [conversation_key(plan.group, c) for c in slotted]

@@ -25,7 +25,7 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,19 +35,24 @@ from peagle.fileio import atomic_write_json
 
 __all__ = [
     "REGEN_PLAN_VERSION",
-    "GenerateEngine",
     "merge_chunks",
     "pending_regen_chunks",
     "read_regen_plan",
     "regen_dir",
     "regen_plan",
+    "remote_dir",
     "run_regen_chunk",
-    "start_generate_engine",
     "wait_for_regen",
     "write_regen_plan",
 ]
 
 REGEN_PLAN_VERSION = 1
+
+
+def remote_dir(run: Path) -> Path:
+    """A split job's capture folder inside the job's run folder (`peagle.target.remote`'s plan, chunks and
+    micro-batch files) and where the dispatcher writes `failed.json` when it gives up on any chunk."""
+    return Path(run) / "data" / "features" / "remote"
 
 
 def regen_dir(run: Path) -> Path:
@@ -190,42 +195,3 @@ def merge_chunks(d: Path, cache_dir: Path) -> int:
     return len(records) - len(have)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The engine side: a generation engine kept warm (`worker.engine_task.WarmEngine`)
-# ---------------------------------------------------------------------------------------------------
-
-
-class GenerateEngine:
-    """A started generation engine and the target's tokenizer (`start_generate_engine`)."""
-
-    def __init__(self, server: Any, tokenizer: Any) -> None:
-        self.server, self.tokenizer = server, tokenizer
-
-    @contextlib.contextmanager
-    def backend(self) -> Iterator[Any]:
-        """A `VllmBackend` on the running engine (the engine stays up after it)."""
-        from peagle.data.regenerate_engines import VllmBackend
-
-        s = self.server
-        yield VllmBackend(s.base_url, s.served_name, alive=s.check_alive, failure=s.failure)
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def start_generate_engine(plan: dict[str, Any], *, log_path: Path, devices: str | None) -> GenerateEngine:
-    """Start the generation engine the plan's spec needs (the same `EngineConfig` the trainer's own
-    regeneration would start, on this worker's devices)."""
-    from transformers import AutoTokenizer
-
-    from peagle.engine.server import VllmServer, engine_config_from_spec
-    from peagle.spec import TrainSpec
-    from peagle.target.loader import locate_target
-
-    resolved = TrainSpec.model_validate(plan["spec"])
-    path = locate_target(resolved)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    server = VllmServer(engine_config_from_spec(resolved, path, devices=devices), log_path=log_path,
-                        name="regeneration engine")
-    server.start()
-    return GenerateEngine(server, tokenizer)

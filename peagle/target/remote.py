@@ -26,9 +26,10 @@ supervisor) is not this module's business: `pending_chunks` says which released 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,10 @@ from peagle.fileio import atomic_path, atomic_write_json
 from peagle.target.sources import _Ordered
 
 __all__ = ["PLAN_VERSION", "CaptureEngine", "RemoteFeatureSource", "capture_plan", "chunk_range", "engine_key", "eval_dir",
-           "eval_pending", "pending_chunks", "read_plan", "releasable", "remote_dir", "run_capture_chunk",
+           "eval_pending", "pending_chunks", "read_plan", "releasable", "run_capture_chunk",
            "run_eval_chunk", "start_capture_engine", "wait_for_eval", "write_plan"]
 
 PLAN_VERSION = 1
-
-
-def remote_dir(run: Path) -> Path:
-    """The protocol's folder inside the job's run folder."""
-    return Path(run) / "data" / "features" / "remote"
 
 
 def _mb_file(d: Path, j: int) -> Path:
@@ -393,3 +389,43 @@ def start_capture_engine(plan: dict[str, Any], *, storage_dir: Path, log_path: P
                         name="capture engine")
     server.start()
     return CaptureEngine(server, parts)
+
+
+# A split job's generation engine (regeneration chunks, `peagle.data.remote_regen`), kept warm by
+# `worker.engine_task.WarmEngine` like the capture engine above.
+
+
+class GenerateEngine:
+    """A started generation engine and the target's tokenizer (`start_generate_engine`)."""
+
+    def __init__(self, server: Any, tokenizer: Any) -> None:
+        self.server, self.tokenizer = server, tokenizer
+
+    @contextlib.contextmanager
+    def backend(self) -> Iterator[Any]:
+        """A `VllmBackend` on the running engine (the engine stays up after it)."""
+        from peagle.data.regenerate_engines import VllmBackend
+
+        s = self.server
+        yield VllmBackend(s.base_url, s.served_name, alive=s.check_alive, failure=s.failure)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_generate_engine(plan: dict[str, Any], *, log_path: Path, devices: str | None) -> GenerateEngine:
+    """Start the generation engine the plan's spec needs (the same `EngineConfig` the trainer's own
+    regeneration would start, on this worker's devices)."""
+    from transformers import AutoTokenizer
+
+    from peagle.engine.server import VllmServer, engine_config_from_spec
+    from peagle.spec import TrainSpec
+    from peagle.target.loader import locate_target
+
+    resolved = TrainSpec.model_validate(plan["spec"])
+    path = locate_target(resolved)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    server = VllmServer(engine_config_from_spec(resolved, path, devices=devices), log_path=log_path,
+                        name="regeneration engine")
+    server.start()
+    return GenerateEngine(server, tokenizer)

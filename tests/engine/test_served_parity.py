@@ -1,6 +1,6 @@
 """The served-parity gate on real broken exports (slow: real vLLM, one engine start per export).
 
-The parity draft (`peagle.builtin.parity_draft_dir`, built by `peagle fixtures`) is a SmolLM2 draft trained
+The parity draft (`peagle.parity_fixture.parity_draft_dir`, built by `peagle fixtures`) is a SmolLM2 draft trained
 by the pipeline, whose export carries the reference decoder's per-position acceptance (`parity.json`). Copies
 of it are broken the ways drafts are mis-served in the field: aux layer ids off by one, `mask_hidden` zeroed,
 a norm flag that does not match training (`norm_before_fc` on for a draft trained without the norm; a
@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def parity_draft() -> Path:
-    from peagle.builtin import parity_draft_dir
     from peagle.eval.serve_check import vllm_python
+    from peagle.parity_fixture import parity_draft_dir
 
     if vllm_python() is None:
         assert not (REPO / ".vllm-venv" / "bin" / "python").exists(), "vllm_python() misses .vllm-venv"
@@ -105,8 +105,8 @@ def test_peagle_eval_passes_the_good_export_and_exits_12_on_a_norm_flag_not_matc
 def test_the_job_serve_check_fails_a_broken_export_and_keeps_its_results(
     parity_draft: Path, smollm2_path: Path, smollm2_tokenizer: Any, tmp_path: Path, breakage: str
 ) -> None:
-    from peagle.builtin import parity_draft_spec
     from peagle.eval import final
+    from peagle.parity_fixture import parity_draft_spec
     from peagle.progress import RecordingSink
     from peagle.spec import parse_spec
 
