@@ -89,6 +89,11 @@ class Settings(BaseSettings):
         default=600.0, ge=0, description="An engine worker (`python -m worker --role engine`) keeps its `vllm serve` "
         "this long after its last chunk for the next chunk of the same engine configuration (target, revision, "
         "dtype, parallelism, mode); it stops it sooner when a chunk needs another configuration.")
+    engine_chunk_resend_seconds: float = Field(
+        default=600.0, gt=0, description="A split job's engine chunk still unclaimed this long after it was sent "
+        "is sent again (its message was lost); a duplicate is harmless (the claim is conditional). Long enough "
+        "that a healthy engine queue (at most `resources.engine.replicas` chunks of the job ahead, an engine "
+        "start each) rarely trips it.")
     heartbeat_seconds: float = Field(default=5.0, gt=0, description="Worker lease heartbeat interval.")
     lease_seconds: float = Field(default=60.0, gt=0, description="A job whose heartbeat is older is requeued.")
     kill_grace_seconds: float = Field(default=60.0, gt=0, description="SIGTERM -> SIGKILL grace for trainers.")

@@ -29,15 +29,11 @@ from service.db.session import session_scope
 from service.queue import engine_queue, make_producer
 from service.settings import Settings
 
-__all__ = ["MAX_ATTEMPTS", "SENT_DEADLINE_SECONDS", "ChunkDispatcher"]
+__all__ = ["MAX_ATTEMPTS", "ChunkDispatcher"]
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-# A chunk still unclaimed this long after it was sent is sent again (its message was lost, e.g. a broker
-# restart without persistence). Long enough that a healthy FIFO engine queue (at most `replicas` chunks of
-# the job ahead, an engine start each) rarely trips it; a duplicate costs nothing (the claim is conditional).
-SENT_DEADLINE_SECONDS = 600.0
 
 
 class ChunkDispatcher:
@@ -82,7 +78,7 @@ class ChunkDispatcher:
             with session_scope(self.factory) as s:
                 send, failed = plan_sends(s, self.job_id, kind=kind, pending=pending, generation=generation,
                                           replicas=self.replicas, lease_seconds=self.settings.lease_seconds,
-                                          max_attempts=MAX_ATTEMPTS, sent_deadline=SENT_DEADLINE_SECONDS)
+                                          max_attempts=MAX_ATTEMPTS, sent_deadline=self.settings.engine_chunk_resend_seconds)
             if failed:
                 atomic_write_json(self.d / "failed.json", {"message": f"engine chunk {kind} {failed[0]} failed "
                                                                       f"{MAX_ATTEMPTS} times on engine workers"})

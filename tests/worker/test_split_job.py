@@ -49,6 +49,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, red
     st = Stack(tmp_path_factory.mktemp("split"), database_url=f"{postgres_admin_url.rsplit('/', 1)[0]}/{name}",
                broker_url=redis_url, redis_url=redis_url, fake_trainer=False)
     st.env["PEAGLE_ENGINE_KEEP_WARM_SECONDS"] = "20"
+    st.env["PEAGLE_ENGINE_CHUNK_RESEND_SECONDS"] = "60"  # a lost chunk message costs a minute, not ten
     try:
         st.victim = start_role(st, "engine", 0)
         start_role(st, "engine", 1)
