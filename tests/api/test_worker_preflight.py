@@ -90,7 +90,8 @@ def _problems(client: TestClient, headers: dict, body: dict[str, Any]) -> dict[s
 def test_gpu_job_on_a_cpu_only_stack_is_refused(client: TestClient, alice: dict, sim: Any,
                                                cpu_worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub id's own problem is not this test's
-    assert [(q, g) for _, q, g in _rows(cpu_worker.settings)] == [(["cpu"], 0)]
+    # an `all` worker (the default role) consumes the job queue and its engine queue (issue 37)
+    assert [(q, g) for _, q, g in _rows(cpu_worker.settings)] == [(["cpu", "engine-cpu"], 0)]
     got = _problems(client, alice, {"preset": "gpu-llama3-8b"})
     assert "/resources/gpus" in got and "queue 'cpu' have no GPU" in got["/resources/gpus"], got
     got = _problems(client, alice, {"preset": "tiny", "queue": "a100"})
