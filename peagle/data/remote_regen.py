@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.errors import EngineError
-from peagle.fileio import atomic_write_json
+from peagle.fileio import atomic_write_json, read_json
 
 __all__ = [
     "REGEN_PLAN_VERSION",
@@ -68,14 +68,6 @@ def _chunk_dir(d: Path, i: int) -> Path:
     return d / f"chunk_{i:06d}"
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def regen_plan(*, keys: list[str], settings: Any, identity: dict[str, Any], group: str, spec: dict[str, Any],
                chunk_size: int) -> dict[str, Any]:
     """The plan for the conversations with content keys `keys` (pure): chunks of `chunk_size` of them."""
@@ -101,7 +93,7 @@ def write_regen_plan(d: Path, plan: dict[str, Any], conversations: list[list[dic
 
 def read_regen_plan(d: Path) -> dict[str, Any] | None:
     """The plan, or None while there is none."""
-    plan = _read_json(d / "plan.json")
+    plan = read_json(d / "plan.json")
     if plan is not None and plan.get("version") != REGEN_PLAN_VERSION:
         raise EngineError(f"{d / 'plan.json'}: plan version {plan.get('version')}, this worker reads "
                           f"{REGEN_PLAN_VERSION}")
@@ -115,7 +107,7 @@ def pending_regen_chunks(d: Path) -> list[int]:
         return []
     out = []
     for i in range(len(plan["chunks"])):
-        done = _read_json(_done_file(d, i))
+        done = read_json(_done_file(d, i))
         if done is None or done.get("plan_id") != plan["plan_id"]:
             out.append(i)
     return out
@@ -160,7 +152,7 @@ def wait_for_regen(d: Path, *, failed_file: Path | None = None, poll_s: float = 
     """The trainer waits for every chunk (raises the dispatcher's ``failed.json`` as `EngineError`)."""
     t0 = time.monotonic()
     while pending_regen_chunks(d):
-        failed = _read_json(failed_file) if failed_file is not None else None
+        failed = read_json(failed_file) if failed_file is not None else None
         if failed is not None:
             raise EngineError(str(failed.get("message") or "the engine workers failed"))
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from peagle.data.packing import PackedRows, shift_features
 from peagle.errors import EngineError
-from peagle.fileio import atomic_path, atomic_write_json
+from peagle.fileio import atomic_path, atomic_write_json, read_json
 from peagle.target.sources import _Ordered
 
 __all__ = ["PLAN_VERSION", "CaptureEngine", "RemoteFeatureSource", "capture_plan", "chunk_range", "engine_key", "eval_dir",
@@ -54,14 +54,6 @@ def _mb_file(d: Path, j: int) -> Path:
 
 def _done_file(d: Path, i: int) -> Path:
     return d / f"chunk_{i:06d}.done"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -114,7 +106,7 @@ def releasable(plan: dict[str, Any], *, start: int, consumed: int, budget_bytes:
 
 def pending_chunks(d: Path) -> list[int]:
     """Released chunks of the current generation whose results are not all there (the dispatcher's list)."""
-    plan, rel = read_plan(d), _read_json(d / "release.json")
+    plan, rel = read_plan(d), read_json(d / "release.json")
     if plan is None or rel is None:
         return []
     out = []
@@ -122,7 +114,7 @@ def pending_chunks(d: Path) -> list[int]:
         _s, e = chunk_range(plan, i)
         if e <= max(int(rel["start"]), int(rel["consumed"]) + 1):
             continue
-        done = _read_json(_done_file(d, i))
+        done = read_json(_done_file(d, i))
         if done is None or done.get("generation") != rel["generation"]:
             out.append(i)
     return out
@@ -151,7 +143,7 @@ def eval_pending(d: Path) -> bool:
     plan = read_plan(d)
     if plan is None or not plan.get("eval"):
         return False
-    manifest = _read_json(eval_dir(d) / "manifest.json")
+    manifest = read_json(eval_dir(d) / "manifest.json")
     return not (manifest and manifest.get("complete"))
 
 
@@ -170,7 +162,7 @@ def wait_for_eval(d: Path, *, poll_s: float = 0.5, timeout_s: float | None = Non
     """The trainer waits for the held-out shards (raises the dispatcher's ``failed.json`` as `EngineError`)."""
     t0 = time.monotonic()
     while eval_pending(d):
-        failed = _read_json(d / "failed.json")
+        failed = read_json(d / "failed.json")
         if failed is not None:
             raise EngineError(str(failed.get("message") or "the engine workers failed"))
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:
@@ -180,7 +172,7 @@ def wait_for_eval(d: Path, *, poll_s: float = 0.5, timeout_s: float | None = Non
 
 def read_plan(d: Path) -> dict[str, Any] | None:
     """The plan, or None while there is none."""
-    plan = _read_json(d / "plan.json")
+    plan = read_json(d / "plan.json")
     if plan is not None and plan.get("version") != PLAN_VERSION:
         raise EngineError(f"{d / 'plan.json'}: plan version {plan.get('version')}, this worker reads {PLAN_VERSION}")
     return plan
@@ -212,7 +204,7 @@ def run_capture_chunk(
     """
     from safetensors.torch import save_file
 
-    plan, rel = read_plan(d), _read_json(d / "release.json")
+    plan, rel = read_plan(d), read_json(d / "release.json")
     if plan is None or rel is None:
         raise EngineError(f"no capture plan in {d}")
     rows = _read_rows(d)
@@ -223,7 +215,7 @@ def run_capture_chunk(
     for j in range(s, e):
         if should_stop is not None and should_stop():
             return None
-        now = _read_json(d / "release.json") or rel
+        now = read_json(d / "release.json") or rel
         if now.get("generation") != rel["generation"]:
             return None  # the trainer restarted its stream: the dispatcher sends this chunk again if needed
         if j < int(now["start"]) or j <= int(now["consumed"]):
@@ -269,7 +261,7 @@ class RemoteFeatureSource(_Ordered):
         self.total = int(plan["total_micro_batches"])
         self.head_weight, self.head_bias = head_weight, head_bias
         self.budget, self.poll_s, self.timeout_s = float(disk_budget_bytes), poll_s, timeout_s
-        rel = _read_json(self.d / "release.json")
+        rel = read_json(self.d / "release.json")
         self.generation = int(rel["generation"]) if rel else 0
         self.start, self.consumed = -1, -1
         self.waited_s = 0.0
@@ -304,7 +296,7 @@ class RemoteFeatureSource(_Ordered):
         f = _mb_file(self.d, j)
         t0 = time.monotonic()
         while not f.exists():
-            failed = _read_json(self.d / "failed.json")
+            failed = read_json(self.d / "failed.json")
             if failed is not None:
                 raise EngineError(str(failed.get("message") or "the engine workers failed"))
             if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
