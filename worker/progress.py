@@ -32,6 +32,7 @@ from peagle.spec.metrics import (
     al_pos_values,
     eval_key,
     is_measured_al_key,
+    is_preview_key,
 )
 from service.db.lease import Batch, CheckpointMetrics, Lease, MetricRecord
 from service.db.replay import FINAL_PHASES
@@ -327,6 +328,8 @@ def recover(*, path: Path, lease: Lease, collector: ProgressCollector, redact: C
                     if rec.get("kind") == "eval":
                         finals.add(str(phase))
                 continue
+            if rec["type"] == "metric" and any(map(is_preview_key, rec.get("values") or {})):
+                continue  # the preview's (its own steps, no floor): a lost one is not worth a duplicate
             if rec["type"] == "metric" and isinstance(rec.get("step"), int):
                 key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
                 if (floor is None or rec["step"] > floor) and key not in seen:

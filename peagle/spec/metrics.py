@@ -5,6 +5,11 @@ The trainer (`peagle.cod.loss`, `peagle.train.loop`, `peagle.pipeline`) produces
 patterns to the dashboard (`GET /v1/meta`). Torch-free.
 
     acc_key(0) == "acc_0"; eval_key("loss") == "eval_loss"; al_pos_key(2) == "al_pos_2"
+    preview_key("loss") == "preview_loss"
+
+The preview's training metrics (`peagle.preview`: a short run on the first conversations before the main
+run) carry `PREVIEW_PREFIX`: stored and streamed like every metric, but a series of their own (their steps
+start again at 1), never a checkpoint's rank nor a point of the main curve.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ __all__ = [
     "FULL_ACC",
     "LOSS",
     "PER_POSITION",
+    "PREVIEW_PREFIX",
     "REGEN_CONVERSATIONS",
     "REGEN_CONVERSATIONS_TOTAL",
     "REGEN_SECONDS_REMAINING",
@@ -34,7 +40,10 @@ __all__ = [
     "eval_key",
     "is_eval_key",
     "is_measured_al_key",
+    "is_preview_key",
     "key_patterns",
+    "preview_key",
+    "preview_values",
 ]
 
 LOSS = "loss"
@@ -52,6 +61,8 @@ VLLM_ACCEPTANCE_LENGTH = "vllm_acceptance_length"
 ACC_PREFIX = "acc_"
 #: Held-out versions of the training metrics: `eval_{key}`.
 EVAL_PREFIX = "eval_"
+#: The preview's training metrics: `preview_{key}` (module docstring).
+PREVIEW_PREFIX = "preview_"
 #: Measured acceptance rate at draft position k: `al_pos_{k}`.
 AL_POS_PREFIX = "al_pos_"
 #: The list of per-position acceptance rates in an eval record (spread into `al_pos_{k}` keys).
@@ -90,6 +101,21 @@ def al_pos_values(per_position: Iterable[Any]) -> dict[str, Any]:
     return {al_pos_key(k): v for k, v in enumerate(per_position)}
 
 
+def preview_key(key: str) -> str:
+    """`preview_{key}`: a training metric of the preview run."""
+    return f"{PREVIEW_PREFIX}{key}"
+
+
+def is_preview_key(key: str) -> bool:
+    """A metric of the preview run (`preview_*`)."""
+    return key.startswith(PREVIEW_PREFIX)
+
+
+def preview_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A preview step's metric record: every key as `preview_key(key)`."""
+    return {preview_key(k): v for k, v in values.items()}
+
+
 def is_eval_key(key: str) -> bool:
     """Measured on held-out data or by decoding (drawn unsmoothed): `eval_*` and `acceptance_length`."""
     return key.startswith(EVAL_PREFIX) or key == ACCEPTANCE_LENGTH
@@ -103,4 +129,5 @@ def is_measured_al_key(key: str) -> bool:
 def key_patterns() -> Mapping[str, str]:
     """The named keys and prefixes, as the API serves them to the dashboard."""
     return {"loss": LOSS, "full_acc": FULL_ACC, "tau_sim": TAU_SIM, "acceptance_length": ACCEPTANCE_LENGTH,
-            "acc_prefix": ACC_PREFIX, "eval_prefix": EVAL_PREFIX, "al_pos_prefix": AL_POS_PREFIX}
+            "acc_prefix": ACC_PREFIX, "eval_prefix": EVAL_PREFIX, "al_pos_prefix": AL_POS_PREFIX,
+            "preview_prefix": PREVIEW_PREFIX}

@@ -60,6 +60,7 @@ __all__ = [
     "EvalSpec",
     "OptimSpec",
     "PEagleSpec",
+    "PreviewSpec",
     "PromptSet",
     "RegenerateSpec",
     "ResourceSpec",
@@ -540,6 +541,22 @@ class ResourceSpec(_Strict):
     )
 
 
+class PreviewSpec(_Strict):
+    """A first training curve within minutes: a short run on the first conversations before the main run."""
+
+    conversations: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Before the main run, prepare (regenerated answers go to the shared cache, so the main run "
+        "reuses them), capture and train a draft of its own on the first N conversations of the data, into "
+        "RUN/preview; its metrics are `preview_*` (a curve of their own on the job page). 0 = no preview "
+        "(docs/decisions.md, \"a preview on a first slice\").",
+    )
+    steps: int = Field(
+        default=40, ge=1, le=1000,
+        description="Optimizer steps of the preview (the passes over its rows repeat until they are done).",
+    )
+
+
 class TrainSpec(_Strict):
     """A P-EAGLE draft-training job."""
 
@@ -559,6 +576,7 @@ class TrainSpec(_Strict):
     checkpoints: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation.")
     resources: ResourceSpec = Field(default_factory=ResourceSpec, description="Resources.")
+    preview: PreviewSpec = Field(default_factory=PreviewSpec, description="A first curve on a first slice.")
 
     @model_validator(mode="after")
     def _cross_fields(self) -> TrainSpec:

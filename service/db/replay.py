@@ -6,6 +6,10 @@ Dedup is per (step, kind): a training record (`loss`, `acc_k`, ...) and an evalu
 checkpoint step N had stored its training metrics at N but not yet the eval at N; that eval must still be
 stored when it arrives in the replay. Each kind has its own floor (`Lease.metric_floor`, `Lease.eval_floor`).
 
+The preview's records (`preview_*` keys, `peagle.preview`: a short run before the main one, whose steps
+start at 1 again) are a kind of their own that never raises a floor and is never a replay: the preview
+resumes from its own checkpoint, so it repeats no step after a pause.
+
 The evaluations after training (`FINAL_PHASES`: the final AL of the best checkpoint, the serve check) are
 records of the run, not of a step: they carry the last training step, which the floors already cover once
 training is complete, so a floor would drop the evaluation of an attempt that resumes after a crash during
@@ -21,19 +25,24 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from peagle.spec.metrics import AL_POS_PREFIX, is_eval_key
+from peagle.spec.metrics import AL_POS_PREFIX, is_eval_key, is_preview_key
 from service.db.models import JobEvent, JobMetric
 
-__all__ = ["EVAL", "FINAL_PHASES", "TRAIN", "final_evaluations", "metric_floors", "metric_kind", "replayed"]
+__all__ = ["EVAL", "FINAL_PHASES", "PREVIEW", "TRAIN", "final_evaluations", "metric_floors", "metric_kind",
+           "replayed"]
 
 TRAIN = "train"
 EVAL = "eval"
+PREVIEW = "preview"
 #: The phases after training whose `eval` event (and its metric record) a job stores once.
 FINAL_PHASES = ("evaluating", "serve_check")
 
 
 def metric_kind(values: Mapping[str, Any]) -> str:
-    """`eval` for an evaluation record (any `eval_*`, `acceptance_length` or `al_pos_k` key), else `train`."""
+    """`preview` for a record of the preview (`preview_*` keys), `eval` for an evaluation record (any `eval_*`,
+    `acceptance_length` or `al_pos_k` key), else `train`."""
+    if any(is_preview_key(k) for k in values):
+        return PREVIEW
     return EVAL if any(is_eval_key(k) or k.startswith(AL_POS_PREFIX) for k in values) else TRAIN
 
 
@@ -54,6 +63,8 @@ def metric_floors(session: Session, job_id: str, checkpoint_step: int | None) ->
     ).all()
     for step, values in rows:
         kind = metric_kind(values or {})
+        if kind == PREVIEW:
+            continue
         current = floors[kind]
         floors[kind] = int(step) if current is None else max(current, int(step))
     return floors[TRAIN], floors[EVAL]
@@ -76,5 +87,8 @@ def replayed(metric: Mapping[str, Any], train_floor: int | None, eval_floor: int
     final = metric.get("final")
     if final is not None:
         return final in final_done
-    floor = eval_floor if metric_kind(metric.get("values") or {}) == EVAL else train_floor
+    kind = metric_kind(metric.get("values") or {})
+    if kind == PREVIEW:
+        return False
+    floor = eval_floor if kind == EVAL else train_floor
     return floor is not None and int(metric["step"]) <= floor

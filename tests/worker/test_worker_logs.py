@@ -71,8 +71,8 @@ def test_real_job_logs_phases_and_steps_and_cli_follows_them(make_stack: Any, ti
 
     stored = [g.message for g in stack.rows(JobLog, job_id)]
     phases = [m.split()[1].rstrip(":") for m in stored if m.startswith("phase ")]
-    # every phase change, once, in order (the tiny preset neither regenerates nor runs the serve check)
-    assert phases == [p for p in PHASES if p not in ("regenerating", "serve_check")], stored
+    # every phase change, once, in order (the tiny preset neither regenerates, runs a preview nor the serve check)
+    assert phases == [p for p in PHASES if p not in ("preview", "regenerating", "serve_check")], stored
     steps = [(int(m.group(1)), int(m.group(2))) for m in map(STEP_LINE.match, stored) if m]
     assert steps and steps[0][0] == 1 and steps[-1] == (6, 6), stored  # the first and the last step at least
     assert len(steps) <= 6
