@@ -18,8 +18,8 @@ from typing import Any
 from service.settings import Settings
 
 __all__ = ["DELIVERY", "ENGINE_CHUNK_TASK", "ENGINE_DELIVERY", "ENGINE_WORKER_ONLY", "FILESYSTEM_TRANSPORT", "ROLES", "TRAIN_TASK",
-           "WORKER_ONLY", "Producer", "celery_config", "declared_queue", "engine_queue", "make_producer", "role_queues",
-           "task_options", "train_queue", "worker_argv", "worker_config"]
+           "WORKER_ONLY", "Producer", "celery_config", "declared_queue", "direct_queue", "engine_queue", "make_producer",
+           "role_queues", "takes_direct", "task_options", "train_queue", "worker_argv", "worker_config"]
 
 TRAIN_TASK = "peagle.train"
 #: One chunk of a split job's engine work (`resources.engine`): `peagle.engine_chunk(job_id, kind, index)`.
@@ -66,8 +66,10 @@ WORKER_ONLY: dict[str, Any] = {
 #: process, so the `vllm serve` it starts (`peagle.engine.procs.spawn`, dying with that process) stays warm
 #: between chunks; a prefork child with `worker_max_tasks_per_child: 1` would take its engine with it after
 #: every chunk. Late acks and prefetch 1 as for jobs: a busy engine worker never reserves a second chunk.
+#: `worker_direct`: an engine worker also consumes its own queue `<node name>.dq2` (Celery's worker-direct
+#: queue, `direct_queue`), where the dispatcher sends a job's next chunk when this worker's engine is warm for it.
 ENGINE_DELIVERY: dict[str, Any] = {**DELIVERY, "worker_max_tasks_per_child": None}
-ENGINE_WORKER_ONLY: dict[str, Any] = {**WORKER_ONLY, "worker_pool": "solo"}
+ENGINE_WORKER_ONLY: dict[str, Any] = {**WORKER_ONLY, "worker_pool": "solo", "worker_direct": True}
 REDIS_VISIBILITY_TIMEOUT_S = 7 * 24 * 3600
 #: kombu's Redis transport keeps a queue's messages in one list per priority step (`queue`, `queue\x06\x163`, ...).
 _REDIS_PRIORITY_SEP, _REDIS_PRIORITY_STEPS = "\x06\x16", (0, 3, 6, 9)
@@ -112,6 +114,21 @@ def worker_config(settings: Settings, queues: list[str], role: str = "all") -> d
 def engine_queue(queue: str) -> str:
     """The engine queue beside the job queue `queue` (`engine-<queue>`): the one rule for its name."""
     return queue if queue.startswith(ENGINE_QUEUE_PREFIX) else f"{ENGINE_QUEUE_PREFIX}{queue}"
+
+
+def direct_queue(node: str) -> Any:
+    """The worker-direct queue of the Celery worker called `node` (`<node>.dq2`, Celery's `worker_direct`): only
+    that worker consumes it, and only engine workers have one (`ENGINE_WORKER_ONLY`)."""
+    from celery.utils.nodenames import worker_direct
+
+    return worker_direct(node)
+
+
+def takes_direct(queues: Any) -> bool:
+    """Whether a worker announcing `queues` (`service.db.workers`) is an engine worker, hence consumes its
+    worker-direct queue: its queues are all engine queues (`role_queues("engine", ...)`)."""
+    names = list(queues)
+    return bool(names) and all(str(q).startswith(ENGINE_QUEUE_PREFIX) for q in names)
 
 
 def train_queue(queue: str, resources: Any) -> str:
@@ -185,10 +202,12 @@ class Producer:
         result = self.app.send_task(TRAIN_TASK, args=[job_id], queue=declared_queue(queue), task_id=task_id)
         return str(result.id)
 
-    def send_engine_chunk(self, job_id: str, kind: str, index: int, queue: str, task_id: str | None = None) -> str:
-        """Queue task `peagle.engine_chunk(job_id, kind, index)` on the engine queue `queue`; returns the id."""
-        result = self.app.send_task(ENGINE_CHUNK_TASK, args=[job_id, kind, int(index)], queue=declared_queue(queue),
-                                    task_id=task_id)
+    def send_engine_chunk(self, job_id: str, kind: str, index: int, queue: str, task_id: str | None = None, *,
+                          node: str | None = None) -> str:
+        """Queue task `peagle.engine_chunk(job_id, kind, index)` on the engine queue `queue`, or with `node` on
+        that engine worker's own queue (`direct_queue`); returns the id."""
+        target = direct_queue(node) if node else declared_queue(queue)
+        result = self.app.send_task(ENGINE_CHUNK_TASK, args=[job_id, kind, int(index)], queue=target, task_id=task_id)
         return str(result.id)
 
     def waiting_task_ids(self, queue: str) -> set[str] | None:

@@ -10,23 +10,40 @@ sends the regeneration's chunks (`peagle.data.remote_regen`) and the released ca
 done as `peagle.engine_chunk` tasks to the engine queue, at most
 `resources.engine.replicas` in flight, records them (`service.db.engine_tasks`), sends again a chunk
 whose engine worker lost its lease, and writes ``failed.json`` (raised in the trainer) for a chunk that
-failed `MAX_ATTEMPTS` times. Chunks of a job go FIFO on the one engine queue: an engine worker keeps its
-engine warm, so with one job at a time every chunk after the first finds a warm engine.
+failed `MAX_ATTEMPTS` times.
+
+Where a chunk goes: to the worker-direct queue of an engine worker whose engine is warm for it (it ran this
+job's latest chunk on the same engine, ended `done` within `engine_keep_warm_seconds`, has nothing in flight
+and heartbeats: `service.db.engine_tasks.warm_workers`), else FIFO to the shared engine queue, which any
+engine worker takes. A chunk sent direct that its worker has not taken while that worker stopped
+heartbeating or started other work, or within `engine_chunk_resend_seconds`, is sent again to the shared
+queue (a duplicate message is harmless: one worker claims the chunk).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from peagle.fileio import atomic_write_json, read_json
-from service.db.engine_tasks import plan_sends, stop_chunks
+from service.db.engine_tasks import (
+    busy_nodes,
+    plan_sends,
+    recent_rows,
+    stop_chunks,
+    touch_sent,
+    waiting,
+    warm_workers,
+)
+from service.db.models import utcnow
 from service.db.session import session_scope
-from service.queue import engine_queue, make_producer
+from service.db.workers import live_workers
+from service.queue import engine_queue, make_producer, takes_direct
 from service.settings import Settings
 
 __all__ = ["MAX_ATTEMPTS", "ChunkDispatcher"]
@@ -40,7 +57,7 @@ class ChunkDispatcher:
     """Sends a split job's chunks (module docstring)."""
 
     def __init__(self, settings: Settings, factory: sessionmaker[Session], *, job_id: str, queue: str, run_dir: Path,
-                 spec: Any, send: Callable[[str, str, int, str], str] | None = None) -> None:
+                 spec: Any, send: Callable[[str, str, int, str, str | None], str] | None = None) -> None:
         from peagle.data.remote_regen import regen_dir, remote_dir
 
         engine = spec.resources.engine
@@ -49,16 +66,20 @@ class ChunkDispatcher:
         self.replicas = int(engine.replicas)
         self.d = remote_dir(run_dir)
         self.regen = regen_dir(run_dir)  # the regeneration's chunks (`peagle.data.remote_regen`)
-        self._send = send
+        self._send = send  # (job_id, kind, index, queue, node or None) -> task id; default: the broker
         self._producer: Any = None
         self.sent = 0
+        self.sent_direct = 0
+        #: chunks sent to a worker-direct queue and not taken yet: (kind, index) -> (node, generation)
+        self.direct: dict[tuple[str, int], tuple[str, int]] = {}
 
-    def send(self, kind: str, index: int) -> str:
+    def send(self, kind: str, index: int, node: str | None = None) -> str:
+        """Send chunk `index` of `kind` to the engine queue, or with `node` to that engine worker's own queue."""
         if self._send is not None:
-            return self._send(self.job_id, kind, index, self.queue)
+            return self._send(self.job_id, kind, index, self.queue, node)
         if self._producer is None:
             self._producer = make_producer(self.settings)
-        return str(self._producer.send_engine_chunk(self.job_id, kind, index, self.queue))
+        return str(self._producer.send_engine_chunk(self.job_id, kind, index, self.queue, node=node))
 
     def tick(self) -> None:
         """Send what the trainer released and is neither done nor in flight."""
@@ -72,6 +93,7 @@ class ChunkDispatcher:
             todo.append(("eval", [0] if eval_pending(self.d) else [], 0))
         if isinstance(rel, dict):
             todo.append(("capture", pending_chunks(self.d), int(rel["generation"])))
+        self._recall_direct()
         for kind, pending, generation in todo:
             if not pending:
                 continue
@@ -79,12 +101,63 @@ class ChunkDispatcher:
                 send, failed = plan_sends(s, self.job_id, kind=kind, pending=pending, generation=generation,
                                           replicas=self.replicas, lease_seconds=self.settings.lease_seconds,
                                           max_attempts=MAX_ATTEMPTS, sent_deadline=self.settings.engine_chunk_resend_seconds)
+                routes = self._routes(s, kind, generation, send)
             if failed:
                 atomic_write_json(self.d / "failed.json", {"message": f"engine chunk {kind} {failed[0]} failed "
                                                                       f"{MAX_ATTEMPTS} times on engine workers"})
             for i in send:
-                self.send(kind, i)
+                node = routes.get(i)
+                self.send(kind, i, node)
                 self.sent += 1
+                if node is not None:
+                    self.direct[(kind, i)] = (node, generation)
+                    self.sent_direct += 1
+                    log.info("job %s: chunk %s %s sent to %s, whose engine is warm for it", self.job_id, kind, i, node)
+
+    def _live_direct(self, s: Session) -> set[str]:
+        """Node names of live engine workers that consume this job's engine queue and their worker-direct queue."""
+        return {w.name for w in live_workers(s, stale_after_s=self.settings.lease_seconds)
+                if takes_direct(w.queues) and self.queue in w.queues}
+
+    def _routes(self, s: Session, kind: str, generation: int, send: list[int]) -> dict[int, str]:
+        """Chunk -> the engine worker to send it to directly (`warm_workers`), for the chunks of `send` that
+        are sent for the first time; the others go to the shared engine queue."""
+        if not send:
+            return {}
+        now = utcnow()
+        keep = float(self.settings.engine_keep_warm_seconds)
+        busy = {node for node, _ in self.direct.values()}
+        warm = warm_workers(recent_rows(s, since=now - timedelta(seconds=keep)), job_id=self.job_id, kind=kind,
+                            now=now, keep_warm_s=keep, live=self._live_direct(s), busy=busy)
+        routes: dict[int, str] = {}
+        for i in send:
+            before = self.direct.pop((kind, i), None)
+            if before is not None and before[1] == generation:
+                continue  # sent direct before and not taken within the deadline: the shared queue now
+            if warm:
+                routes[i] = warm.pop(0)
+        return routes
+
+    def _recall_direct(self) -> None:
+        """Chunks sent direct and not taken: forget the taken ones; send again to the shared queue those whose
+        worker stopped heartbeating or took other work meanwhile (it would not take them soon)."""
+        if not self.direct:
+            return
+        again: list[tuple[str, int]] = []
+        with session_scope(self.factory) as s:
+            live, busy = self._live_direct(s), busy_nodes(s)
+            for (kind, i), (node, generation) in list(self.direct.items()):
+                if not waiting(s, self.job_id, kind, i, generation=generation):
+                    del self.direct[(kind, i)]  # taken (or reset for a new stream): nothing to watch
+                elif node not in live or node in busy:
+                    del self.direct[(kind, i)]
+                    touch_sent(s, self.job_id, kind, i, generation=generation)
+                    again.append((kind, i))
+        for kind, i in again:
+            log.info("job %s: chunk %s %s sent direct to a worker that died or took other work: sent to %s",
+                     self.job_id, kind, i, self.queue)
+            self.send(kind, i)
+            self.sent += 1
 
     def stop(self) -> None:
         """The attempt is over: stop every chunk in flight."""

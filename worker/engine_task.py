@@ -11,6 +11,9 @@ chunks of the same configuration, `peagle.target.remote.engine_key`), runs the c
 tokens and seconds. Between micro-batches it extends its lease and stops when the job is paused,
 cancelled or over, or the chunk was given to another worker; a pause or cancel also stops its engine.
 
+The chunk's row names this worker ``<Celery node name>:<pid>`` (`worker_name`): the dispatcher sends a job's
+next chunk to the worker-direct queue of that node when its engine is warm for it (`worker.dispatch`).
+
 `vllm serve` is started through `peagle.engine` (its guard dies with this process), so a killed engine
 worker leaves no engine behind; `WarmEngine` stops it `engine_keep_warm_seconds` after the last chunk,
 when a chunk needs another configuration, and when the worker shuts down (`stop_warm_engine`).
@@ -31,7 +34,7 @@ from service.db.engine_tasks import beat_chunk, end_chunk, job_control, job_stop
 from service.db.session import make_engine, make_session_factory, session_scope
 from service.settings import Settings
 
-__all__ = ["WarmEngine", "run_chunk", "stop_warm_engine"]
+__all__ = ["WarmEngine", "run_chunk", "stop_warm_engine", "worker_name"]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,15 @@ def _devices(gpus: int) -> str | None:
     return ",".join((visible or [str(i) for i in range(gpus)])[:gpus])
 
 
+def worker_name() -> str:
+    """This engine worker in `engine_task.worker`: ``<Celery node name>:<pid>`` (the node name, which names its
+    worker-direct queue, is the host's name outside a Celery task)."""
+    from celery import current_task
+
+    node = getattr(getattr(current_task, "request", None), "hostname", None)
+    return f"{node or socket.gethostname()}:{os.getpid()}"
+
+
 def _job_stopping(settings: Settings, job_id: str) -> bool:
     engine = make_engine(settings.resolved_database_url())
     try:
@@ -142,7 +154,7 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
     from peagle.data import remote_regen
     from peagle.target import remote
 
-    name = worker or f"{socket.gethostname()}:{os.getpid()}"
+    name = worker or worker_name()
     warm = warm or warm_engine(settings)
     engine = make_engine(settings.resolved_database_url())
     factory = make_session_factory(engine)

@@ -5,6 +5,8 @@
     start_chunk(s, job_id, "capture", 3, generation=2, worker="w1", gpus=0, lease_seconds=60)  # engine worker
     beat_chunk(s, ...)  /  end_chunk(s, ..., state="done", tokens=..., seconds=...)
     task_rows(s, job_id)                                                  # the API's view
+    warm_workers(recent_rows(s, since=...), job_id=..., kind="capture", now=..., keep_warm_s=600)  # pure: where
+                                                        # the job's next chunk finds its engine warm
 
 A row per (job, kind, index), rewritten for each generation of the trainer's stream. In flight: `sent`
 (queued to Celery) or `running` (an engine worker has it; its lease is extended while it works). A
@@ -13,21 +15,29 @@ its start; its results are written whole, so a half-written chunk is never read)
 engine worker claimed within `sent_deadline` seconds (its message was lost) is sent again too: a duplicate
 message is harmless, `start_chunk` lets one worker have the chunk. Functions take a
 `Session` and leave commit to the caller. Torch-free.
+
+An engine worker records itself as ``<Celery node name>:<pid>`` (`worker.engine_task`), so `node_of` finds the
+worker-direct queue (`service.queue.direct_queue`) of the worker that ran a chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from service.db.models import EngineTask, Job, utcnow
 
-__all__ = ["IN_FLIGHT", "beat_chunk", "end_chunk", "job_control", "job_stopping", "plan_sends", "start_chunk", "stop_chunks",
-           "task_rows"]
+__all__ = ["ENGINE_OF_KIND", "IN_FLIGHT", "beat_chunk", "busy_nodes", "end_chunk", "job_control", "job_stopping", "node_of",
+           "plan_sends", "recent_rows", "start_chunk", "stop_chunks", "task_rows", "touch_sent", "waiting", "warm_workers"]
 
 IN_FLIGHT = ("sent", "running")
+#: Which engine a chunk kind runs on (`peagle.target.remote.engine_key`): the capture engine also captures the
+#: held-out rows (`eval`); regeneration has a generation engine of its own.
+ENGINE_OF_KIND = {"capture": "capture", "eval": "capture", "regenerate": "regenerate"}
 
 
 def _row(s: Session, job_id: str, kind: str, index: int) -> EngineTask | None:
@@ -146,3 +156,79 @@ def task_rows(s: Session, job_id: str) -> list[EngineTask]:
     """The job's chunk tasks, in (kind, index) order."""
     return list(s.scalars(sa.select(EngineTask).where(EngineTask.job_id == job_id)
                           .order_by(EngineTask.kind, EngineTask.index)))
+
+
+def node_of(worker: str) -> str:
+    """The Celery node name in an engine worker's `engine_task.worker` (``<node>:<pid>``)."""
+    node, sep, pid = worker.rpartition(":")
+    return node if sep and pid.isdigit() else worker
+
+
+def warm_workers(rows: Iterable[Any], *, job_id: str, kind: str, now: datetime, keep_warm_s: float,
+                 live: Collection[str] | None = None, busy: Collection[str] = ()) -> list[str]:
+    """The engine workers (node names, `node_of`) on which `job_id`'s next chunk of `kind` finds its engine warm
+    and nothing else in flight: those whose latest chunk was of `kind` first, then the one idle for the
+    shortest time first. Pure over `engine_task` rows of every job (`recent_rows`: each worker's latest chunk
+    must be among them).
+
+    A worker qualifies when its latest chunk (by start, whatever the job) is this job's, on the same engine
+    (`ENGINE_OF_KIND`: same job, same engine kind, hence the same engine configuration), ended `done` (a
+    stopped or failed chunk stops its engine, `worker.engine_task`) at most `keep_warm_s` before `now`
+    (the worker's warm engine stops then); and, when given, its node is in `live` (workers whose heartbeat is
+    fresh and that consume a worker-direct queue) and not in `busy` (just sent a chunk, not taken yet).
+
+    Example: rows (w1, this job, capture, done 10 s ago), (w2, this job, capture, running), (w3, another
+    job, capture, done 5 s ago) and (w4, this job, eval, done 2 s ago), for a capture chunk -> ["w1", "w4"]:
+    w2 is busy, w3's engine holds the other job's configuration, w4 ran the held-out rows on the same engine.
+    """
+    engine = ENGINE_OF_KIND.get(kind, kind)
+    latest: dict[str, Any] = {}
+    for r in rows:
+        if not r.worker or r.started_at is None:
+            continue
+        cur = latest.get(r.worker)
+        if cur is None or r.started_at > cur.started_at:
+            latest[r.worker] = r
+    since = now - timedelta(seconds=keep_warm_s)
+    found: list[tuple[bool, datetime, str]] = []
+    for worker, r in latest.items():
+        node = node_of(worker)
+        if (r.job_id != job_id or ENGINE_OF_KIND.get(r.kind, r.kind) != engine or r.state != "done"
+                or r.finished_at is None or r.finished_at < since):
+            continue
+        if (live is not None and node not in live) or node in busy:
+            continue
+        found.append((r.kind == kind, r.finished_at, node))
+    return [node for *_, node in sorted(found, reverse=True)]
+
+
+def recent_rows(s: Session, *, since: datetime) -> list[EngineTask]:
+    """The chunk rows (every job's) that can be an engine worker's latest: in flight or lost, or started or
+    ended after `since` (what `warm_workers` reads; a worker whose latest chunk ended earlier is not warm)."""
+    return list(s.scalars(sa.select(EngineTask).where(
+        EngineTask.worker.is_not(None),
+        sa.or_(EngineTask.state.in_(("running", "lost")), EngineTask.started_at >= since,
+               EngineTask.finished_at >= since))))
+
+
+def busy_nodes(s: Session) -> set[str]:
+    """Node names of the engine workers running a chunk (any job's) now."""
+    return {node_of(str(w)) for w in s.scalars(sa.select(EngineTask.worker).where(
+        EngineTask.state == "running", EngineTask.worker.is_not(None)))}
+
+
+def waiting(s: Session, job_id: str, kind: str, index: int, *, generation: int) -> bool:
+    """Whether the chunk is `sent` for `generation` and no engine worker has taken it yet."""
+    r = s.scalars(sa.select(EngineTask).where(EngineTask.job_id == job_id, EngineTask.kind == kind,
+                                              EngineTask.index == index)).first()
+    return r is not None and r.state == "sent" and r.generation == generation
+
+
+def touch_sent(s: Session, job_id: str, kind: str, index: int, *, generation: int, now: datetime | None = None) -> bool:
+    """A `sent` chunk of `generation` is sent once more (its direct queue's worker died or took other work):
+    its `sent_at` restarts the re-send deadline. False when the chunk is no longer waiting to be taken."""
+    r = _row(s, job_id, kind, index)
+    if r is None or r.state != "sent" or r.generation != generation:
+        return False
+    r.sent_at = now or utcnow()
+    return True
