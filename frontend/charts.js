@@ -76,6 +76,19 @@ export class MetricStore {
 }
 
 /**
+ * A metric point split into the main run's and the preview's (keys starting with `prefix`): `[main, preview]`,
+ * each a point with its own values or null when it has none (a point with no values at all stays main).
+ */
+export function splitPreview(p, prefix) {
+  const main = {}, pre = {};
+  let nMain = 0, nPre = 0;
+  for (const [k, v] of Object.entries(p.values || {})) {
+    if (k.startsWith(prefix)) { pre[k] = v; nPre++; } else { main[k] = v; nMain++; }
+  }
+  return [nMain || !nPre ? { ...p, values: main } : null, nPre ? { ...p, values: pre } : null];
+}
+
+/**
  * Debiased exponential moving average (TensorBoard-style) over the non-null values; nulls stay null.
  * @param {Array<number|null>} y values
  * @param {number} w smoothing weight in [0, 1); 0 = none

@@ -1,7 +1,7 @@
 // Compare page: 2-4 jobs; overlaid curves, per-depth accuracy and AL side by side, config diff.
 import { api, isTerminal, listAll, loadMeta } from "./api.js";
-import { LineChart, linesFor, MetricStore, PALETTE } from "./charts.js";
-import { define, label } from "./metrics.js";
+import { LineChart, linesFor, MetricStore, PALETTE, splitPreview } from "./charts.js";
+import { define, label, PREVIEW_PREFIX } from "./metrics.js";
 import { $, fmtNum, h, mountTopbar, showError, statusChip } from "./ui.js";
 
 mountTopbar("compare");
@@ -49,7 +49,8 @@ async function loadRun(id, i) {
     api(`/v1/jobs/${enc}/checkpoints`).catch(() => ({ data: [] })),
   ]);
   const store = new MetricStore();
-  (metrics.data || []).forEach((p) => store.add(p));
+  // the main runs are compared; a preview's points (steps from 1 again) are not theirs
+  (metrics.data || []).forEach((p) => { const main = splitPreview(p, PREVIEW_PREFIX)[0]; if (main) store.add(main); });
   return { job, store, checkpoints: cks.data || [], color: PALETTE[i % PALETTE.length] };
 }
 

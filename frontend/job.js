@@ -1,10 +1,10 @@
 // Job page: header + actions, phase timeline, live charts, logs, events, checkpoints.
 import { actionAllowed, api, isTerminal, loadMeta, openStream } from "./api.js";
-import { LineChart, linesFor, MetricStore, PALETTE, throttle } from "./charts.js";
+import { LineChart, linesFor, MetricStore, PALETTE, splitPreview, throttle } from "./charts.js";
 import { renderCheckpoints } from "./checkpoints.js";
 import { renderJobFunnel } from "./funnel.js";
 import { renderJobTasks } from "./tasks.js";
-import { CHARTS } from "./metrics.js";
+import { CHARTS, previewChart } from "./metrics.js";
 import { $, confirmDialog, fmtAgo, fmtDuration, fmtTime, h, mountTopbar, progressBar, showError, statusChip, tagList, toast } from "./ui.js";
 
 mountTopbar("jobs");
@@ -17,6 +17,9 @@ const TAIL_POINTS = 1000;
 let historyLoading = null;
 const MAX_LOG_LINES = 2000;
 const store = new MetricStore();
+// The preview's points (`preview_*` keys, spec `preview`): a series of their own, whose steps start at 1 again.
+const PREVIEW_PREFIX = META.metric_keys?.preview_prefix || "preview_";
+const previewStore = new MetricStore();
 const charts = new Map();
 const streams = [];
 let job = null;
@@ -25,7 +28,20 @@ let ckSig = "";
 let xMode = "step";
 let smoothing = 0.6;
 
-window.__peagle = { store, charts, ready: false, firstRenderMs: null }; // read by the browser tests
+window.__peagle = { store, previewStore, charts, ready: false, firstRenderMs: null }; // read by the browser tests
+
+/** File one metric point: the main run's keys into `store`, the preview's into `previewStore`. */
+function addPoint(p) {
+  const [main, pre] = splitPreview(p, PREVIEW_PREFIX);
+  const a = main ? store.add(main) : false;
+  const b = pre ? previewStore.add(pre) : false;
+  return a || b;
+}
+
+function previewConversations() {
+  const pv = (job && (job.resolved_spec || job.spec) || {}).preview;
+  return pv && pv.conversations ? pv.conversations : 0;
+}
 
 // ---------------------------------------------------------------- header + actions
 const ACTIONS = [
@@ -125,12 +141,18 @@ function renderTimeline() {
 }
 
 // ---------------------------------------------------------------- charts
+// A job with a preview (spec `preview`) has its chart first; a job without one has none.
+function chartList() {
+  return previewConversations() ? [previewChart(previewConversations(), PREVIEW_PREFIX), ...CHARTS] : CHARTS;
+}
+
 function buildCharts() {
-  $("#charts").replaceChildren(...CHARTS.map((c) => {
+  $("#charts").replaceChildren(...chartList().map((c) => {
     const box = h("div", { class: "chart-box" });
     const card = h("figure", { class: "chart-card", style: { margin: 0 }, dataset: { chart: c.id }, "aria-label": `${c.title} chart` },
       h("h3", { title: c.def }, c.title, h("span", { class: "def" }, c.def)), box);
     charts.set(c.id, new LineChart(box, { emptyText: "no points yet" }));
+    if (c.id === "preview") card.hidden = true; // shown with its first point
     return card;
   }));
 }
@@ -140,14 +162,17 @@ function drawCharts() {
   // A job that has ended draws only the charts it has points for; none at all = one line saying why.
   const ended = !!job && isTerminal(META, job.status);
   let drawn = 0;
-  for (const c of CHARTS) {
+  for (const c of chartList()) {
+    const src = c.id === "preview" ? previewStore : store;
     const keys = typeof c.keys === "function" ? c.keys(all) : c.keys;
     const color = c.id === "acc" ? (k, i) => PALETTE[i % PALETTE.length] : undefined;
-    const lines = linesFor(store, keys, { xMode, smoothing, color });
+    const lines = linesFor(src, keys, { xMode, smoothing, color });
     charts.get(c.id).set(lines, xMode);
     const has = lines.some((l) => l.y.some((v) => v !== null));
     if (has) drawn++;
-    document.querySelector(`#charts [data-chart="${c.id}"]`).hidden = ended && !has;
+    const card = document.querySelector(`#charts [data-chart="${c.id}"]`);
+    card.hidden = c.id === "preview" ? !has : ended && !has;
+    if (c.id === "preview") card.querySelector("h3").firstChild.textContent = c.title; // N once the job is read
   }
   const note = $("#charts-none");
   note.hidden = !(ended && drawn === 0);
@@ -155,6 +180,7 @@ function drawCharts() {
     (job?.phase ? ` (in phase ${job.phase.replace(/_/g, " ")}).` : ".");
   const rendered = document.querySelectorAll("#charts .uplot").length;
   $("#charts").dataset.points = String(store.length);
+  $("#charts").dataset.previewPoints = String(previewStore.length);
   $("#charts").dataset.rendered = String(rendered);
 }
 const redraw = throttle(drawCharts, 250);
@@ -175,11 +201,23 @@ async function loadMetrics() {
   const url = `/v1/jobs/${encodeURIComponent(jobId)}/metrics`;
   const from = Math.max(0, (job.metric_seq || 0) - TAIL_POINTS);
   const res = await api(url, { query: { after: from, limit: TAIL_POINTS + 100 } });
-  for (const p of res.data || []) store.add(p);
+  for (const p of res.data || []) addPoint(p);
   if (from > 0) {
     historyLoading = api(url, { query: { max_points: MAX_POINTS, limit: 100000, step_to: store.step[0] } })
-      .then((full) => { store.prepend(full.data || []); drawCharts(); window.__peagle.historyAt = performance.now(); })
+      .then((full) => {
+        store.prepend((full.data || []).map((p) => splitPreview(p, PREVIEW_PREFIX)[0]).filter(Boolean));
+        drawCharts();
+        window.__peagle.historyAt = performance.now();
+      })
       .catch((e) => toast(`metric history: ${e.message}`));
+    // the preview's few points come before the tail: read them whole (the thinned history could drop them)
+    const pv = (job.resolved_spec || job.spec || {}).preview;
+    if (pv && pv.conversations) {
+      const keys = previewChart(pv.conversations, PREVIEW_PREFIX).keys.join(",");
+      api(url, { query: { keys, step_to: (pv.steps || 1000) + 1, limit: 100000 } })
+        .then((r) => { previewStore.prepend((r.data || []).map((p) => splitPreview(p, PREVIEW_PREFIX)[1]).filter(Boolean)); drawCharts(); })
+        .catch((e) => toast(`preview metrics: ${e.message}`));
+    }
   }
   return Number(res.next_after) || (job.metric_seq || 0);
 }
@@ -307,9 +345,9 @@ function setLive(s) {
 async function start() {
   if (!jobId) { showError($("#head"), { code: "bad_request", message: "no job id in the address (?id=job_…)" }); return; }
   const t0 = performance.now();
-  buildCharts();
   try {
     await refreshJob();
+    buildCharts(); // after the job: the preview chart names its conversations
     const lastSeq = await loadMetrics();
     drawCharts();
     window.__peagle.firstRenderMs = performance.now() - t0; // from script start
@@ -333,7 +371,7 @@ async function start() {
     refreshCheckpoints();
     const lastEv = events.length ? events[events.length - 1].seq : 0;
     const lastLog = logs.length ? logs[logs.length - 1].seq : 0;
-    streams.push(openStream(`${base}/metrics/stream`, { query: { after: lastSeq }, onItem: (p) => { if (store.add(p)) redraw(); }, onState: setLive }));
+    streams.push(openStream(`${base}/metrics/stream`, { query: { after: lastSeq }, onItem: (p) => { if (addPoint(p)) redraw(); }, onState: setLive }));
     streams.push(openStream(`${base}/events/stream`, { query: { after: lastEv }, onItem: onEvent, onEnd: () => refreshJob() }));
     streams.push(openStream(`${base}/logs/stream`, { query: { after: lastLog }, onItem: (l) => { if (!logs.length || l.seq > logs[logs.length - 1].seq) addLog(l); } }));
   } catch (e) {

@@ -19,9 +19,13 @@ const FIXED = {
   epoch: "Fraction of passes over the training rows completed.",
 };
 
-/** The one-line definition of a metric key (handles acc_{d}, eval_acc_{d}, al_pos_{k}). */
+/** The prefix of the preview's metric keys (`GET /v1/meta` metric_keys.preview_prefix, peagle/spec/metrics.py). */
+export const PREVIEW_PREFIX = "preview_";
+
+/** The one-line definition of a metric key (handles acc_{d}, eval_acc_{d}, al_pos_{k}, preview_{key}). */
 export function define(key) {
   if (FIXED[key]) return FIXED[key];
+  if (key.startsWith(PREVIEW_PREFIX)) return `Preview (a short run on the first conversations before the main run, with a vocabulary and a draft of its own; its steps start at 1): ${define(key.slice(PREVIEW_PREFIX.length))}`;
   let m = /^acc_(\d+)$/.exec(key);
   if (m) return `Depth-${m[1]} accuracy: fraction of positions where the draft's top token at depth ${m[1]} equals the target's (unconditional, training batch: prompts' tokens too with peagle.loss_positions all).`;
   m = /^eval_acc_(\d+)$/.exec(key);
@@ -40,6 +44,7 @@ export function label(key) {
     grad_norm: "grad norm",
   };
   if (names[key]) return names[key];
+  if (key.startsWith(PREVIEW_PREFIX)) return `preview ${label(key.slice(PREVIEW_PREFIX.length))}`;
   let m = /^acc_(\d+)$/.exec(key);
   if (m) return `depth ${m[1]}`;
   m = /^eval_acc_(\d+)$/.exec(key);
@@ -62,3 +67,16 @@ export const CHARTS = [
   { id: "tps", title: "Tokens/s", def: FIXED.tokens_per_s, keys: ["tokens_per_s"] },
   { id: "time", title: "Step time breakdown", def: "Seconds per step: getting the batch (data + the target's forward when capture is online), draft forward, backward, optimizer.", keys: ["time_fetch", "time_forward", "time_backward", "time_optimizer"] },
 ];
+
+/**
+ * The preview's chart (spec `preview`: a first curve on the first `conversations` conversations, drawn as soon
+ * as its first point arrives and kept after the main training starts): its loss and accuracy.
+ */
+export function previewChart(conversations, prefix = PREVIEW_PREFIX) {
+  return {
+    id: "preview",
+    title: conversations ? `Preview: first ${conversations} conversations` : "Preview",
+    def: "A short run on the first conversations before the main run, so a first curve comes within minutes (its own vocabulary and draft; the main run's curves are below).",
+    keys: [`${prefix}loss`, `${prefix}full_acc`],
+  };
+}

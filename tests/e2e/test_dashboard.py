@@ -257,7 +257,7 @@ def test_timeline_marks_phases_the_job_skipped(page: object, server: Server, fee
     skipped.first.wait_for()
     # text content, not inner_text: innerText's line break depends on app.css having been applied yet
     texts = skipped.evaluate_all("els => els.map((e) => [e.firstChild.textContent, e.querySelector('.t').textContent])")
-    assert texts == [["regenerating", "skipped"], ["serve check", "skipped"]], texts
+    assert texts == [["preview", "skipped"], ["regenerating", "skipped"], ["serve check", "skipped"]], texts
     assert pg.locator("#timeline li.done").count() == 8
 
 
