@@ -32,10 +32,11 @@ from typing import Any
 from peagle.spec import TrainSpec
 from peagle.spec.funnel import DROPPED_BY_REASON, READ, funnel
 from peagle.spec.hardware import CPU_CLASSES, DeviceFacts, cpu_facts, hardware_class
+from peagle.spec.preview import preview_off_reason, preview_spec
 
 __all__ = ["CALIBRATION_CLASS", "HISTORY_JOBS", "MODEL_RANGE", "PHASE_GROUPS", "Comparable", "Measured",
-           "PhaseModel", "PhaseRate", "estimate", "measured_rates", "model_phases", "model_seconds",
-           "spec_hardware"]
+           "PhaseModel", "PhaseRate", "PreviewModel", "estimate", "measured_rates", "model_phases", "model_seconds",
+           "preview_model", "spec_hardware"]
 
 AVG_TOKENS_PER_ROW = 700
 PACKING_EFFICIENCY = 0.99  # measured 0.996 on the demo (most conversations cut at max_length)
@@ -130,6 +131,7 @@ HISTORY_MIN_ERROR = 0.2
 #: Estimate phase -> the pipeline phases (`peagle.spec.phases`) whose time it covers.
 PHASE_GROUPS: Mapping[str, tuple[str, ...]] = {
     "preparing_data": ("validating", "preparing_data", "building_vocab"),
+    "preview": ("preview",),
     "regenerating": ("regenerating",),
     "capturing": ("capturing",),
     "training": ("training",),
@@ -291,13 +293,48 @@ class PhaseModel:
         return self.other_s + (self.work / self.rate if self.work > 0 else 0.0)
 
 
+@dataclass(frozen=True)
+class PreviewModel:
+    """The model of a job's preview (`preview`, `peagle.preview`): its whole phase, the seconds from its start to
+    its first training step (prepare, regenerate, capture, one step), and the regenerated tokens it leaves
+    in the cache for the main run."""
+
+    seconds: float
+    first_step_s: float
+    regen_tokens: float
+
+
+def preview_model(spec: TrainSpec, *, hardware: str, funnel_: Mapping[str, Any] | None = None) -> PreviewModel | None:
+    """The `PreviewModel` of a resolved `spec` on `hardware` (None without a preview): the model of its own
+    spec (`peagle.spec.preview.preview_spec`) whose data funnel is `funnel_` (default: `_data_funnel` with no
+    dataset report), without the target's load (the main run's, done once)."""
+    if spec.preview.conversations < 1 or preview_off_reason(spec) is not None:
+        return None
+    p = preview_spec(spec)
+    fun = funnel_ if funnel_ is not None else _data_funnel(p, {}, [])
+    packed = int(fun.get("packed_rows") or 0)
+    steps = _steps(p, packed) if packed else 0
+    m = model_phases(p, read=int(fun[READ]), steps=steps, packed_rows=packed, hardware=hardware)
+    prep = m["preparing_data"]
+    before = prep.work / prep.rate + m["regenerating"].seconds + m["capturing"].seconds
+    train = m["training"]
+    step_s = train.work / train.rate / steps if steps and train.work > 0 else 0.0
+    return PreviewModel(seconds=before + train.seconds, first_step_s=before + step_s,
+                        regen_tokens=m["regenerating"].work)
+
+
 def model_phases(
-    spec: TrainSpec, *, read: int, steps: int, packed_rows: int, hardware: str, serve_check_ready: bool = True
+    spec: TrainSpec, *, read: int, steps: int, packed_rows: int, hardware: str, serve_check_ready: bool = True,
+    preview_funnel: Mapping[str, Any] | None = None,
 ) -> dict[str, PhaseModel]:
     """The calibrated model of each `PHASE_GROUPS` phase of a resolved `spec` on `hardware` (a
     `hardware_class`) reading `read` rows, `steps` steps over `packed_rows` training rows (offline capture
     forwards each row once, whatever the epochs). The constants are the calibration machine's (`cpu-bf16`,
-    target in bfloat16), scaled by `target_speed` for the target's work and `draft_speed` for training."""
+    target in bfloat16), scaled by `target_speed` for the target's work and `draft_speed` for training.
+
+    The preview (`preview_model`, its data funnel `preview_funnel`; only for a spec that has one) is a phase
+    measured in the seconds its model gives (`modelled seconds`: history scales them by the ratio a comparable job measured); the answers
+    it regenerated are cached, so the main run's regeneration generates only the others'."""
     size = _size_class(spec.target.model)
     dev = "cuda" if hardware.startswith("cuda") else "cpu"
     gpus = max(1, spec.resources.gpus)
@@ -323,10 +360,13 @@ def model_phases(
     # the serve check follows the reference decoder; with vLLM measuring AL its speedup run replaces it
     serve = SERVE_CHECK_SECONDS if spec.eval.serve_check and spec.eval.engine != "vllm" and serve_check_ready else 0
     regen = spec.data.regenerate
+    pv = preview_model(spec, hardware=hardware, funnel_=preview_funnel)
     regenerating = PhaseModel("regenerated tokens", 0.0, 1.0)
     if regen.enabled is True:
         engine = "vllm" if regen.engine == "vllm" else "hf"
         new_tokens = read * REGEN_TURNS_PER_CONVERSATION * regen.max_new_tokens * REGEN_FILL
+        if pv is not None:  # the preview's answers come from the cache
+            new_tokens = max(0.0, new_tokens - pv.regen_tokens)
         regenerating = PhaseModel("regenerated tokens", new_tokens, REGEN_TOKENS_PER_S[(engine, size, dev)] * gpus * ts,
                                   ENGINE_START_SECONDS[dev] if engine == "vllm" else 0.0)
     evaluating = PhaseModel("generated tokens", generated, DECODE[(size, dev)] * ts)
@@ -337,7 +377,7 @@ def model_phases(
     if spec.resources.engine is not None:
         training = split_training(spec, training, steps=steps, rate=VLLM_CAPTURE_TOKENS_PER_S[size][dev] * ts,
                                   engine_start_s=ENGINE_START_SECONDS[dev])
-    return {
+    out = {
         "preparing_data": PhaseModel("conversations read", read, 1.0 / PREP_PER_CONVERSATION, LOAD_SECONDS[size]),
         "regenerating": regenerating,
         "capturing": capture,
@@ -345,6 +385,10 @@ def model_phases(
         "evaluating": evaluating,
         "exporting": PhaseModel("exports", 1.0, 1.0 / (EXPORT_SECONDS + serve)),
     }
+    if pv is not None:  # a phase of the jobs that have one, in its place after preparing_data
+        out = {"preparing_data": out.pop("preparing_data"), "preview": PhaseModel("modelled seconds", pv.seconds, 1.0),
+               **out}
+    return out
 
 
 def split_training(spec: TrainSpec, training: PhaseModel, *, steps: int, rate: float,
@@ -459,8 +503,8 @@ def _from_history(model: Mapping[str, PhaseModel], rates: Mapping[str, list[Phas
     spread is the largest factor by which one job's own rates would differ from that (1.0: one job)."""
     out: dict[str, tuple[float, float]] = {}
     for phase, rs in rates.items():
-        p = model[phase]
-        if not rs or p.seconds <= 0:
+        p = model.get(phase)
+        if p is None or not rs or p.seconds <= 0:
             continue
 
         def secs(rate: float | None, factor: float, p: PhaseModel = p) -> float:
@@ -516,7 +560,10 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         hidden_bytes = min(dump, int(spec.resources.feature_disk_gb * 1e9))
     else:
         hidden_bytes = 0
-    model = model_phases(spec, read=fun[READ], steps=steps, packed_rows=fun["packed_rows"] or 0, hardware=hw)
+    pv_on = spec.preview.conversations > 0 and preview_off_reason(spec) is None
+    pv_funnel = _data_funnel(preview_spec(spec), dataset_rows, []) if pv_on else None
+    model = model_phases(spec, read=fun[READ], steps=steps, packed_rows=fun["packed_rows"] or 0, hardware=hw,
+                         preview_funnel=pv_funnel)
     key = Comparable.of(spec.model_dump(mode="json"), hw)
     used = [m for m in history if m.key == key][:HISTORY_JOBS]
     rates: dict[str, list[PhaseRate]] = {k: [] for k in PHASE_GROUPS}
@@ -542,7 +589,7 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
     if hw not in (CALIBRATION_CLASS,) and not hw.startswith("cuda"):
         calibrated += f"; constants measured on {CALIBRATION_CLASS}, scaled for {hw}"
     if measured:
-        from_model = [p for p in PHASE_GROUPS if p not in measured and model[p].seconds > 0.5]
+        from_model = [p for p in model if p not in measured and model[p].seconds > 0.5]
         ids = ", ".join(m.job_id for m in used)
         accuracy = (f"from {len(used)} comparable earlier job{'s' if len(used) > 1 else ''} ({ids}; {key.describe()}) "
                     f"for {', '.join(measured)}: ±{round(100 * (worst - 1))}%")
@@ -559,6 +606,17 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         notes.append(f"{queue_position} job{'s' if queue_position > 1 else ''} ahead on queue {queue}: "
                      f"{queue_running} running, {queue_position - queue_running} queued; it starts when a worker "
                      "of the queue is free")
+    first_curve = _first_curve_seconds(spec, model, phases, steps, preview_model(spec, hardware=hw,
+                                                                                 funnel_=pv_funnel))
+    off = preview_off_reason(spec)
+    if pv_on:
+        notes.append(f"first training curve after about {_minutes(first_curve)}: a preview of "
+                     f"{spec.preview.steps} steps on the first {spec.preview.conversations} conversations, "
+                     "before the main run (phase preview)")
+    else:
+        if off is not None:
+            notes.append(f"no preview: {off}")
+        notes.append(f"first training curve after about {_minutes(first_curve)} (when training starts)")
     notes.append("the job page shows the measured step rate and time left once training runs")
     return {
         "rows": fun["train_conversations"],
@@ -573,6 +631,7 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "wall_clock_seconds": round(total, 1),
         "wall_clock_range_seconds": [round(lo, 1), round(hi, 1)],
         "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
+        "first_curve_s": round(first_curve, 1),
         "basis": basis,
         "history_jobs": len(used),
         "accuracy": accuracy,
@@ -582,3 +641,24 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
         "queue_running": queue_running,
         "notes": notes,
     }
+
+
+def _first_curve_seconds(spec: TrainSpec, model: Mapping[str, PhaseModel], phases: Mapping[str, float], steps: int,
+                         pv: PreviewModel | None) -> float:
+    """Seconds from the job's start to its first training metric: the target's load and the preview's first
+    step when the spec has a preview, else every phase before training and one main step; each part scaled
+    as the estimate of its phase was (history or model)."""
+    prep = model["preparing_data"]
+    if pv is not None and "preview" in model:
+        own = model["preview"].seconds
+        factor = phases["preview"] / own if own > 0 else 1.0
+        return prep.other_s + pv.first_step_s * factor
+    train = model["training"]
+    step = train.work / train.rate / steps if steps and train.work > 0 else 0.0
+    factor = phases["training"] / train.seconds if train.seconds > 0 else 1.0
+    return phases["preparing_data"] + phases["regenerating"] + phases["capturing"] + step * factor
+
+
+def _minutes(seconds: float) -> str:
+    """`95` -> `2 min`, `30` -> `30 s`."""
+    return f"{round(seconds)} s" if seconds < 90 else f"{round(seconds / 60)} min"

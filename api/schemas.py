@@ -490,8 +490,10 @@ class Estimate(BaseModel):
     wall_clock_seconds: float = Field(description="Wall-clock estimate on the requested device (sum of "
                                       "`phase_seconds`).")
     wall_clock_range_seconds: list[float] = Field(description="[low, high]: the range `accuracy` states.")
-    phase_seconds: dict[str, float] = Field(description="Seconds per phase: preparing_data, regenerating, capturing, "
-                                            "training, evaluating, exporting (export + serve check).")
+    first_curve_s: float = Field(description="Seconds from the job's start to its first training metric: the "
+                                 "preview's first step (spec `preview`), else the main run's.")
+    phase_seconds: dict[str, float] = Field(description="Seconds per phase: preparing_data, preview, regenerating, "
+                                            "capturing, training, evaluating, exporting (export + serve check).")
     basis: Literal["history", "model"] = Field(description="history: rates measured by comparable earlier jobs "
                                                "(same target, dtype, engines, hardware class); model: the "
                                                "calibrated model alone.")

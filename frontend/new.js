@@ -232,6 +232,7 @@ const ESTIMATE_LABELS = {
   tokens_per_step: ["tokens per step", int],
   hidden_state_bytes: ["hidden-state disk (offline capture)", fmtBytes],
   wall_clock_seconds: ["wall-clock estimate", fmtDuration],
+  first_curve_s: ["first training curve after", fmtDuration],
   queue: ["queue", String],
   queue_position: ["jobs ahead in the queue", String],
 };

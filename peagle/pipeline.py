@@ -336,8 +336,13 @@ def _preview(spec: TrainSpec, base: TrainSpec, target: Any, run: Path, *, sink: 
              device: torch.device, aux_ids: list[int], resume: str, dataset_root: Path | None) -> None:
     """The `preview` phase (`peagle.preview`): skipped when a finished one is there (a resumed run)."""
     from peagle.preview import preview_done, run_preview
+    from peagle.spec.preview import preview_off_reason
 
     p = spec.preview
+    off = preview_off_reason(spec)
+    if off is not None:
+        log.log("info", f"preview: off ({off})")
+        return
     done = preview_done(run) if resume == "auto" else None
     if done is not None:
         log.log("info", f"preview: done earlier ({done.get('steps')} steps on {done.get('conversations')} "

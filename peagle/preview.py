@@ -36,8 +36,9 @@ import torch
 
 from peagle.fileio import atomic_write_json
 from peagle.progress import ProgressLog, ProgressSink
-from peagle.spec import TrainSpec, parse_spec
+from peagle.spec import TrainSpec
 from peagle.spec.metrics import preview_values
+from peagle.spec.preview import preview_spec
 from peagle.start import build_initial_draft, warm_start
 
 __all__ = ["DONE_FILE", "PREVIEW_DIR", "PreviewSink", "kept_rng", "preview_done", "preview_spec", "run_preview"]
@@ -48,32 +49,6 @@ PREVIEW_DIR = "preview"
 DONE_FILE = "done.json"
 #: The prefix of the preview's log lines in the job log.
 LOG_PREFIX = "preview: "
-
-
-def preview_spec(spec: TrainSpec) -> TrainSpec:
-    """The spec of the preview of `spec` (resolved or not): the first `preview.conversations` conversations
-    (`data.max_samples`, the cap after all sources, so they are the first ones of the main run too), none held
-    out, `preview.steps` optimizer steps (the passes over its rows repeat until they are done), one checkpoint
-    at the end (what a resume needs), no evaluation prompts, no serve check, no preview of its own.
-
-    Everything that decides a regenerated answer (target, `data.regenerate`, `data.max_length`, seed) stays,
-    so the preview's answers are the cache entries the main run reads.
-    """
-    n, steps = spec.preview.conversations, spec.preview.steps
-    if n < 1:
-        raise ValueError("preview.conversations is 0: the spec asks for no preview")
-    data = spec.model_dump(mode="json")
-    cap = spec.data.max_samples
-    data["name"] = f"{spec.name or 'job'} (preview)"[:200]
-    data["data"]["max_samples"] = min(n, cap) if cap is not None else n
-    data["data"]["eval_samples"] = 0
-    ga = spec.optim.grad_accumulation
-    # enough passes for `steps` steps even over one micro-batch (total_steps caps the run at max_steps)
-    data["optim"].update(max_steps=steps, epochs=min(1000, steps * ga))
-    data["checkpoints"].update(every_steps=steps, keep_last=1, select_best_by="tau_sim")
-    data["eval"].update(prompt_sets=[], al_every_steps=None, every_steps=None, serve_check=False)
-    data["preview"] = {"conversations": 0, "steps": steps}
-    return parse_spec(data)
 
 
 def preview_done(run: Path) -> dict[str, Any] | None:

@@ -90,7 +90,6 @@ def cross_field_problems(spec: TrainSpec) -> list[SpecProblem]:
     if r.precision == "bf16" and r.device == "cpu":
         bad(("resources", "precision"), "bf16 autocast is for CUDA; use 'fp32' or 'auto' on CPU")
     out.extend(_engine_problems(spec))
-    out.extend(_preview_problems(spec))
     if spec.checkpoints.select_best_by == "acceptance_length" and not spec.eval.prompt_sets:
         bad(
             ("checkpoints", "select_best_by"),
@@ -274,30 +273,6 @@ def _value_ok(kind: str, value: str) -> bool:
 
 def _value_problem(flag: str, kind: str, value: str) -> str:
     return f"{flag} takes {_VALUE_PATTERNS[kind][1]}, got {value!r}"
-
-
-def _preview_problems(spec: TrainSpec) -> list[SpecProblem]:
-    """Rules of `preview` (`peagle.preview`): a slice smaller than the data, one process, one worker."""
-    n = spec.preview.conversations
-    if n == 0:
-        return []
-    at = ("preview", "conversations")
-    out: list[SpecProblem] = []
-    caps = [s.max_samples for s in spec.data.sources]
-    known = sum(c for c in caps if c is not None) if all(c is not None for c in caps) else None
-    if spec.data.max_samples is not None:
-        known = spec.data.max_samples if known is None else min(known, spec.data.max_samples)
-    if known is not None and n >= known:
-        out.append(SpecProblem(loc=at, message=f"must be below the data's {known} conversations (data.max_samples "
-                                                "or the sources' max_samples): a preview of all of it is the run "
-                                                f"itself; got {n}"))
-    if spec.resources.engine is not None:
-        out.append(SpecProblem(loc=at, message="a preview runs in the trainer's process, not on engine workers "
-                                                "(resources.engine): set it to 0"))
-    if spec.resources.gpus > 1:
-        out.append(SpecProblem(loc=at, message=f"a preview runs in one process, not under torchrun "
-                                                f"(resources.gpus {spec.resources.gpus}): set it to 0"))
-    return out
 
 
 def _split_problems(spec: TrainSpec) -> list[SpecProblem]:

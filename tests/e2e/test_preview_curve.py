@@ -72,3 +72,15 @@ def test_the_preview_curve_comes_first_and_stays(page: object, server: Server, f
     pg.wait_for_function("window.__peagle && window.__peagle.ready")
     pg.wait_for_function("document.querySelector('#charts').dataset.previewPoints >= 3")
     assert pg.evaluate("window.__peagle.store.length") == 4
+
+
+def test_the_demo_dry_run_says_when_the_first_curve_comes(page: object) -> None:
+    pg = page
+    pg.goto("/new.html")
+    pg.get_by_role("button", name="demo").click()
+    pg.get_by_role("button", name="Validate and estimate (dry run)").click()
+    est = pg.locator(".estimate")
+    est.locator(".funnel").wait_for()
+    assert "first training curve after" in est.locator("dl").inner_text()
+    assert "preview:" in est.locator(".estimate-phases li[data-phase='preview']").inner_text()
+    assert "preview of 40 steps on the first 48 conversations" in est.inner_text()

@@ -9,7 +9,7 @@ from api.estimate import estimate
 from bench.bench_estimate import MIN_PHASE_S, measure, short_demo_spec
 from peagle.spec import preset
 
-ORDER = ("validating", "preparing_data", "capturing", "training", "evaluating", "exporting")
+ORDER = ("validating", "preview", "preparing_data", "capturing", "training", "evaluating", "exporting")
 
 
 def _run(tmp_path: Path, slow: dict[str, float]) -> Path:

@@ -28,27 +28,31 @@ def test_no_preview_by_default_and_the_fields_have_bounds() -> None:
     assert "preview.bogus" in problems(preview={"bogus": 1}) or "preview" in str(problems(preview={"bogus": 1}))
 
 
-def test_what_cannot_work_is_refused_at_the_field() -> None:
+def test_a_preview_that_cannot_run_is_off_with_its_reason_not_refused() -> None:
+    """A spec made from the demo that caps its data below the preview, splits the job or runs under torchrun
+    stays valid (the demo's users and tests shrink it): the preview is off, and the reason says why."""
+    from peagle.spec.preview import preview_off_reason
+
+    def reason(**sections: object) -> str | None:
+        return preview_off_reason(parse_spec({**BASE, **sections}))
+
     capped = {"sources": [{"path": "builtin:sharegpt", "max_samples": 100}]}
-    assert "below the data's 100 conversations" in problems(data=capped, preview={"conversations": 100})[
-        "preview.conversations"]
-    assert problems(data=capped, preview={"conversations": 99}) == {}
-    assert "below the data's 50" in problems(data={**capped, "max_samples": 50},
-                                             preview={"conversations": 60})["preview.conversations"]
-    # a source without a cap: the data's size is not known from the spec, nothing to refuse
-    assert problems(data={"sources": [{"path": "a.jsonl"}, {"path": "b.jsonl", "max_samples": 3}]},
-                    preview={"conversations": 10}) == {}
-    split = problems(resources={"engine": {}}, preview={"conversations": 8})
-    assert "engine workers" in split["preview.conversations"]
-    ddp = problems(resources={"gpus": 2, "device": "cuda"}, preview={"conversations": 8})
-    assert "torchrun" in ddp["preview.conversations"]
-    # every problem at once: the preview's and the others'
-    both = problems(resources={"engine": {}, "capture": "offline"}, preview={"conversations": 8})
-    assert {"preview.conversations", "resources.capture"} <= set(both)
+    assert reason(data=capped) is None  # no preview asked for
+    assert "at most 100 conversations" in str(reason(data=capped, preview={"conversations": 100}))
+    assert reason(data=capped, preview={"conversations": 99}) is None
+    assert "at most 50" in str(reason(data={**capped, "max_samples": 50}, preview={"conversations": 60}))
+    # a source without a cap: the data's size is not known from the spec, the preview runs
+    assert reason(data={"sources": [{"path": "a.jsonl"}, {"path": "b.jsonl", "max_samples": 3}]},
+                  preview={"conversations": 10}) is None
+    assert "engine workers" in str(reason(resources={"engine": {}}, preview={"conversations": 8}))
+    assert "torchrun" in str(reason(resources={"gpus": 2, "device": "cuda"}, preview={"conversations": 8}))
+    demo = preset("demo").model_dump(mode="json")
+    demo["data"]["sources"][0]["max_samples"] = 16
+    assert problems(**{k: v for k, v in demo.items() if k != "target"}, target=demo["target"]) == {}
 
 
 def test_the_demo_previews_and_the_preview_spec_is_a_first_slice() -> None:
-    from peagle.preview import preview_spec
+    from peagle.spec.preview import preview_spec
 
     demo = preset("demo")
     assert 0 < demo.preview.conversations < (demo.data.sources[0].max_samples or 0)
