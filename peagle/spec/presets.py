@@ -63,7 +63,7 @@ def _demo() -> dict[str, Any]:
         "resources": {"gpus": 0, "device": "cpu", "capture": "offline"},
         # a first curve within 10 minutes of submitting on a 2-core AVX2-only CPU (fp32 target there): 40
         # steps on the first 48 conversations before the main run regenerates the rest (their answers are
-        # cached, so regenerated once); the dry run states when (first_curve_s; docs/decisions.md)
+        # cached, so regenerated once); the dry run states when (first_curve_s; docs/decisions.md decision 33)
         "preview": {"conversations": 48, "steps": 40},
     }
 

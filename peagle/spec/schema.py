@@ -549,7 +549,7 @@ class PreviewSpec(_Strict):
         description="Before the main run, prepare (regenerated answers go to the shared cache, so the main run "
         "reuses them), capture and train a draft of its own on the first N conversations of the data, into "
         "RUN/preview; its metrics are `preview_*` (a curve of their own on the job page). 0 = no preview "
-        "(docs/decisions.md, \"a preview on a first slice\").",
+        "(docs/decisions.md decision 33).",
     )
     steps: int = Field(
         default=40, ge=1, le=1000,
