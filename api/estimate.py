@@ -419,8 +419,9 @@ def model_seconds(
 def _vllm_eval(spec: TrainSpec, size: str, dev: str, steps: int, ts: float) -> tuple[PhaseModel, float]:
     """(the evaluating phase, the seconds its AL measurements add to training) when vLLM measures AL: an
     engine start per measurement (the AL during training: every `eval.al_every_steps` and at checkpoints),
-    the prompts generated as one batch, and the serving speedup (`eval.speedup`: per K of the sweep an engine
-    start and `speedup_rounds` rounds of both sides at batch 1 and at a batch of all prompts)."""
+    the prompts generated as one batch, and the serving speedup (`eval.speedup`: the AL's draft engine times
+    its K, a sweep starts one more per other K, and one engine without the draft; `speedup_rounds` rounds of
+    both sides at batch 1 and at a batch of all prompts)."""
     e = spec.eval
     start = ENGINE_START_SECONDS[dev]
     one, batch = (r * ts for r in VLLM_DECODE[size][dev])
@@ -439,7 +440,7 @@ def _vllm_eval(spec: TrainSpec, size: str, dev: str, steps: int, ts: float) -> t
         k = e.num_speculative_tokens or spec.peagle.num_depths
         ks = k if e.speedup_sweep else 1
         tokens = min(e.speedup_num_prompts, e.prompt_sets[0].num_prompts) * e.max_new_tokens
-        other += (ks + 1) * start
+        other += ks * start  # the AL's draft engine times K's passes; the sweep adds K - 1 more and one without
         work += ks * e.speedup_rounds * tokens * (4 + 2 * len(e.speedup_batch_sizes))
         busy += ks * e.speedup_rounds * (2 * (tokens / one + tokens / batch)
                                          + sum(2 * tokens / batch for _ in e.speedup_batch_sizes))
