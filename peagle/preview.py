@@ -148,6 +148,7 @@ def run_preview(spec: TrainSpec, base: TrainSpec, target: Any, run: Path, *, sin
                    if resume == "auto" else None)
             warm = warm_start(pspec, target.parts.config.to_dict(), target.vocab_size, source=own)
             vocab, mask_token_id = warm.vocab, warm.mask_token_id
+        psink.event("phase", phase="capturing", message=f"target features ({pbase.resources.capture}, {target.engine})")
         with feature_sources(target, pbase, prepared, out, vocab=vocab, aux_ids=aux_ids, sink=psink) as (source, _):
             resume_from = (find_resumable(out / "checkpoints", warn=lambda m: psink.event("warning", message=m))
                            if resume == "auto" else None)
