@@ -75,6 +75,10 @@ THROUGHPUT = {("small", "cpu"): 1_900.0, ("tiny", "cpu"): 40_000.0, ("large", "c
 DECODE = {("small", "cpu"): 6.0, ("tiny", "cpu"): 2_000.0, ("large", "cuda"): 40.0, ("small", "cuda"): 300.0,
           ("large", "cpu"): 0.5, ("tiny", "cuda"): 2_000.0}
 LOAD_SECONDS = {"tiny": 1.0, "small": 3.0, "large": 60.0}
+# a job's start in a worker before its first phase: the trainer process (interpreter, torch and transformers
+# imports), measured 4 s from `started_at` to `validating` for the tiny preset on 2 cores (load 2); the
+# tiny job took 12.8-13.3 s in the service against 8.2 s estimated without it (issue 39)
+STARTUP_SECONDS = {"cpu": 5.0, "cuda": 20.0}
 # a step that trains every position (`peagle.loss_positions` all) costs this much more than one that trains
 # the answers: 1.44x the depth-0 elements on ShareGPT, 573 s against 467-530 s for 944 demo steps
 # (docs/decisions.md decision 20)
@@ -130,6 +134,7 @@ HISTORY_MIN_ERROR = 0.2
 
 #: Estimate phase -> the pipeline phases (`peagle.spec.phases`) whose time it covers.
 PHASE_GROUPS: Mapping[str, tuple[str, ...]] = {
+    "starting": (),  # from the worker's start of the job to its first phase: no phase event, the model's always
     "preparing_data": ("validating", "preparing_data", "building_vocab"),
     "preview": ("preview",),
     "regenerating": ("regenerating",),
@@ -378,6 +383,7 @@ def model_phases(
         training = split_training(spec, training, steps=steps, rate=VLLM_CAPTURE_TOKENS_PER_S[size][dev] * ts,
                                   engine_start_s=ENGINE_START_SECONDS[dev])
     out = {
+        "starting": PhaseModel("job starts", 1.0, 1.0 / STARTUP_SECONDS[dev]),
         "preparing_data": PhaseModel("conversations read", read, 1.0 / PREP_PER_CONVERSATION, LOAD_SECONDS[size]),
         "regenerating": regenerating,
         "capturing": capture,
@@ -386,8 +392,8 @@ def model_phases(
         "exporting": PhaseModel("exports", 1.0, 1.0 / (EXPORT_SECONDS + serve)),
     }
     if pv is not None:  # a phase of the jobs that have one, in its place after preparing_data
-        out = {"preparing_data": out.pop("preparing_data"), "preview": PhaseModel("modelled seconds", pv.seconds, 1.0),
-               **out}
+        out = {"starting": out.pop("starting"), "preparing_data": out.pop("preparing_data"),
+               "preview": PhaseModel("modelled seconds", pv.seconds, 1.0), **out}
     return out
 
 
@@ -646,18 +652,18 @@ def estimate(spec: TrainSpec, *, dataset_rows: dict[str, dict[str, Any]], queue:
 
 def _first_curve_seconds(spec: TrainSpec, model: Mapping[str, PhaseModel], phases: Mapping[str, float], steps: int,
                          pv: PreviewModel | None) -> float:
-    """Seconds from the job's start to its first training metric: the target's load and the preview's first
+    """Seconds from the job's start to its first training metric: its start in the worker, the target's load and the preview's first
     step when the spec has a preview, else every phase before training and one main step; each part scaled
     as the estimate of its phase was (history or model)."""
-    prep = model["preparing_data"]
+    prep, start = model["preparing_data"], phases.get("starting", 0.0)
     if pv is not None and "preview" in model:
         own = model["preview"].seconds
         factor = phases["preview"] / own if own > 0 else 1.0
-        return prep.other_s + pv.first_step_s * factor
+        return start + prep.other_s + pv.first_step_s * factor
     train = model["training"]
     step = train.work / train.rate / steps if steps and train.work > 0 else 0.0
     factor = phases["training"] / train.seconds if train.seconds > 0 else 1.0
-    return phases["preparing_data"] + phases["regenerating"] + phases["capturing"] + step * factor
+    return start + phases["preparing_data"] + phases["regenerating"] + phases["capturing"] + step * factor
 
 
 def _minutes(seconds: float) -> str:

@@ -28,7 +28,7 @@ def test_the_demo_shows_a_first_curve_within_ten_minutes_on_avx2() -> None:
     est = _demo(AVX2)
     assert est["target_dtype"] == "float32"  # auto on an AVX2-only CPU
     phases = list(est["phase_seconds"])
-    assert phases[:3] == ["preparing_data", "preview", "regenerating"], phases
+    assert phases[:4] == ["starting", "preparing_data", "preview", "regenerating"], phases
     # the demo's preview is sized so that even the top of the model's range is within 10 minutes
     assert est["first_curve_s"] * MODEL_RANGE[1] <= 600, est["first_curve_s"]
     assert any(n.startswith("first training curve after about ") and "preview of 40 steps on the first 48" in n
