@@ -202,6 +202,7 @@ def variant_spec(overrides: dict[str, Any]) -> dict[str, Any]:
     # runs it natively): the same features, and so the same run folders, on every machine
     spec["target"]["dtype"] = "bfloat16"
     spec["eval"].update(prompt_sets=[], serve_check=False, speedup=False, al_every_steps=None)
+    spec["preview"]["conversations"] = 0  # a variant is measured after its run: no first curve needed
     for path, value in overrides.items():
         node = spec
         *parents, leaf = path.split(".")
@@ -230,6 +231,7 @@ ADDED_FIELDS: dict[tuple[str, str], Any] = {("peagle", "target_temperature"): 1.
 def spec_hash(spec: dict[str, Any]) -> str:
     """The run folder name of a (validated, dumped) spec."""
     spec = json.loads(json.dumps(spec))
+    spec.pop("preview", None)  # a section added later that changes nothing of the run (docs/decisions.md decision 33)
     for (section, field), value in ADDED_FIELDS.items():
         if spec.get(section, {}).get(field, value) == value:
             spec.get(section, {}).pop(field, None)
