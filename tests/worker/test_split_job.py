@@ -8,6 +8,13 @@ One stack for the module: PostgreSQL, Redis (broker and live channel), two engin
   no answer and started no engine), the trainer read every micro-batch once in order (`consumed.log`), and
   its first-step loss and exported weights equal the same spec without `resources.engine`, run whole by one
   worker.
+- Warm engines: with one chunk at a time (replicas 1), every capture chunk after the first goes to the
+  worker-direct queue of the engine worker that ran the previous one, so all ran on that worker (FIFO on the
+  shared queue would alternate between the two idle workers), and it started its capture engine once.
+- kill -9 of the trainer worker (its whole process group) once a checkpoint exists: the reaper requeues the
+  job, a new trainer worker resumes it exactly (`consumed.log`: the killed attempt's micro-batches, then
+  exactly those from the resumed checkpoint's to the last, each once and in order), its final weights equal
+  the same spec run whole by one worker without a kill, and no vLLM process is left.
 - kill -9 of an engine worker mid-chunk: another one redoes the chunk, the job succeeds, the trainer read
   every micro-batch once in order, the killed worker's engine died with it. A cancel during capture: the job
   is cancelled, its chunks stopped, and no engine is left.
@@ -15,6 +22,7 @@ One stack for the module: PostgreSQL, Redis (broker and live channel), two engin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -34,8 +42,15 @@ from tests.worker.conftest import Stack
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+class SplitStack(Stack):
+    """The module's stack, with the processes its tests kill."""
+
+    victim: Any  # an engine worker
+    trainer: Any  # the trainer worker
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, redis_url: str) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, redis_url: str) -> Iterator[SplitStack]:
     from peagle.engine.locate import vllm_python
 
     if vllm_python() is None:
@@ -46,14 +61,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, red
     plain = postgres_admin_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(plain, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    st = Stack(tmp_path_factory.mktemp("split"), database_url=f"{postgres_admin_url.rsplit('/', 1)[0]}/{name}",
+    st = SplitStack(tmp_path_factory.mktemp("split"), database_url=f"{postgres_admin_url.rsplit('/', 1)[0]}/{name}",
                broker_url=redis_url, redis_url=redis_url, fake_trainer=False)
     st.env["PEAGLE_ENGINE_KEEP_WARM_SECONDS"] = "20"
     st.env["PEAGLE_ENGINE_CHUNK_RESEND_SECONDS"] = "60"  # a lost chunk message costs a minute, not ten
     try:
         st.victim = start_role(st, "engine", 0)
         start_role(st, "engine", 1)
-        start_role(st, "trainer", 0)
+        st.trainer = start_role(st, "trainer", 0)
         yield st
     finally:
         st.close()
@@ -62,23 +77,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, red
             conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
 
 
-def split_spec(engine: bool, steps: int = 4, regen: bool = False) -> dict[str, Any]:
-    """A small SmolLM2 job, capture online in vLLM (with `regen`, its answers regenerated in vLLM first);
-    with `engine`, split over engine workers."""
+def split_spec(engine: bool, steps: int = 4, regen: bool = False, *, every: int | None = None, max_restarts: int = 0,
+               replicas: int = 2, skip: int = 0, disk_gb: float = 20.0) -> dict[str, Any]:
+    """A small SmolLM2 job on 16 conversations (after the first `skip`), capture online in vLLM (with `regen`,
+    its answers regenerated in vLLM first); with `engine`, split over engine workers (`replicas` chunks at
+    once, `disk_gb` of features ahead of the trainer); a checkpoint `every` steps (default only at the end)."""
     from peagle.spec import parse_spec, preset
 
     spec = preset("demo").model_dump(mode="json")
-    spec["data"].update(sources=[{"path": "builtin:sharegpt", "max_samples": 16, "skip": 0, "format": "auto"}],
+    spec["data"].update(sources=[{"path": "builtin:sharegpt", "max_samples": 16, "skip": skip, "format": "auto"}],
                         max_length=192, eval_samples=2)
     spec["data"]["regenerate"].update(enabled=regen, engine="vllm", max_new_tokens=12)
     spec["draft"].update(num_layers=1, draft_vocab_size=2048)
     spec["peagle"]["num_depths"] = 3
     spec["optim"].update(max_steps=steps, pack_length=256, epochs=max(1, steps // 2))
-    spec["checkpoints"].update(every_steps=steps)
+    spec["checkpoints"].update(every_steps=every or steps)
     spec["eval"].update(prompt_sets=[], serve_check=False, engine="auto", al_every_steps=None)
-    spec["resources"].update(target_engine="vllm", capture="online", max_restarts=0)
+    spec["resources"].update(target_engine="vllm", capture="online", max_restarts=max_restarts, feature_disk_gb=disk_gb)
     if engine:
-        spec["resources"]["engine"] = {"replicas": 2}
+        spec["resources"]["engine"] = {"replicas": replicas}
     return parse_spec(spec).model_dump(mode="json")
 
 
@@ -117,8 +134,6 @@ def finished(stack: Stack, job_id: str, status: str = "succeeded") -> Any:
 
 
 def regen_report(stack: Stack, job_id: str) -> dict[str, Any]:
-    import json
-
     run = stack.settings.resolved_artifact_root() / job_id
     return dict(json.loads((run / "data" / "report.json").read_text())["regeneration"])
 
@@ -149,6 +164,104 @@ def test_split_job_equals_one_worker(stack):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def engine_starts(stack: Stack, job_id: str, worker: str) -> int:
+    """How many times `worker` started a vLLM engine for `job_id` (each start appends its banner to the
+    worker's engine log in the job's folder)."""
+    log = stack.settings.resolved_artifact_root() / job_id / "logs" / f"engine-{worker.replace(':', '-')}.log"
+    return log.read_text(errors="replace").count("Initializing a V1 LLM engine") if log.exists() else 0
+
+
+def test_chunks_go_to_the_warm_engine_worker(stack):
+    job_id = stack.submit(split_spec(engine=True, steps=8, replicas=1))
+    finished(stack, job_id)
+    tasks = rows_of(stack, job_id)
+    capture = [t for t in tasks if t.kind == "capture"]
+    assert len(capture) >= 3 and all(t.state == "done" for t in tasks), [(t.kind, t.index, t.state) for t in tasks]
+    # the first chunk went to the shared queue, every later one to the worker-direct queue of the warm worker
+    assert len({t.worker for t in capture}) == 1, [(t.index, t.worker) for t in capture]
+    # its capture engine started at most once for the job (none: still warm from an earlier job of the same
+    # engine configuration)
+    assert engine_starts(stack, job_id, capture[0].worker) <= 1
+    assert consumed(stack, job_id) == list(range(8))
+
+
+def complete_checkpoints(run: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE"))
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def requeue_lapsed(stack: Stack, job_id: str, timeout: float = 60) -> None:
+    """Reaper passes (`worker.reaper.reap_once`, as every worker's reaper runs them) until the job whose worker
+    died is requeued and its message sent."""
+    from service.queue import make_producer
+    from worker.reaper import reap_once
+
+    producer = make_producer(stack.settings)
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(a.job_id == job_id for a in reap_once(stack.factory, producer)):
+            assert time.monotonic() < deadline, f"the reaper did not requeue {job_id}: {stack.logs()[-4000:]}"
+            time.sleep(0.2)
+    finally:
+        producer.close()
+
+
+def test_kill_the_trainer_worker_resumes_exactly(stack, processes_mentioning):
+    # chunks of 3 micro-batches (1.5 MB each) and 4 MB ahead of the trainer: chunks are in flight, released
+    # as the trainer reads, when its worker dies
+    steps, every, disk_gb = 24, 2, 0.004
+    job_id = stack.submit(split_spec(engine=True, steps=steps, every=every, max_restarts=1, disk_gb=disk_gb))
+    run = stack.settings.resolved_artifact_root() / job_id
+    deadline = time.monotonic() + 900
+    while not complete_checkpoints(run):  # a checkpoint exists mid-training
+        assert time.monotonic() < deadline and stack.job(job_id).status in ("queued", "running"), stack.logs()[-4000:]
+        time.sleep(0.02)
+    trainer = stack.trainer_pid(job_id, 0)
+    os.kill(trainer, signal.SIGSTOP)  # it stays mid-training until the kill (SIGKILL ends a stopped process)
+    assert complete_checkpoints(run)[-1] < steps, "the run finished before it could be interrupted"
+    os.killpg(stack.trainer.pid, signal.SIGKILL)  # the trainer worker as a crash kills it: its whole group
+    stack.trainer.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while not gone(trainer):  # the trainer dies with its supervisor (parent-death signal)
+        assert time.monotonic() < deadline, f"trainer {trainer} survived its worker"
+        time.sleep(0.05)
+    before = consumed(stack, job_id)  # what the killed attempt read (the log does not change any more)
+    resumed_at = complete_checkpoints(run)[-1]  # what `--resume auto` takes: the newest complete checkpoint
+    assert stack.job(job_id).status == "running"
+
+    requeue_lapsed(stack, job_id)
+    stack.trainer = start_role(stack, "trainer", 1)
+    job = finished(stack, job_id)
+    assert job.attempt == 1
+    # Exact resume (grad_accumulation 1, micro_batch_size 1: micro-batch j is step j's): the killed attempt read
+    # 0..k in order; the resumed one read exactly the micro-batches from its checkpoint's, `resumed_at`, to the
+    # last, each once, in order: the log is the killed attempt's run followed by range(resumed_at, steps).
+    assert before == list(range(len(before))) and 0 < resumed_at <= len(before) < steps, (before, resumed_at)
+    assert consumed(stack, job_id) == before + list(range(resumed_at, steps))
+    assert not list((run / "data" / "features" / "remote").glob("mb_*"))
+
+    one = stack.submit(split_spec(engine=False, steps=steps, every=every, max_restarts=1, disk_gb=disk_gb))  # one worker
+    finished(stack, one)
+    a, b = weights(run), weights(stack.settings.resolved_artifact_root() / one)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    # no vLLM process is left: the engine workers' warm engines stop after their keep-warm time, the one-worker
+    # run's engine with its trainer
+    markers = [str(stack.settings.home.resolve() / "engine"), str(stack.settings.resolved_artifact_root() / one)]
+    deadline = time.monotonic() + 120
+    while any(processes_mentioning(m) for m in markers):
+        assert time.monotonic() < deadline, f"vLLM left running: {[processes_mentioning(m) for m in markers]}"
+        time.sleep(0.5)
 
 
 def running_chunk(stack: Stack, job_id: str, pid: int | None = None, timeout: float = 900) -> Any:
@@ -188,3 +301,4 @@ def test_kill_an_engine_worker_then_cancel(stack, processes_mentioning):
         time.sleep(0.5)
     assert not any(r.state in ("sent", "running") for r in rows_of(stack, job_id))
     assert not processes_mentioning(engines), "an engine survived the cancel"
+
