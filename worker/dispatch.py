@@ -72,6 +72,8 @@ class ChunkDispatcher:
         self.sent_direct = 0
         #: chunks sent to a worker-direct queue and not taken yet: (kind, index) -> (node, generation)
         self.direct: dict[tuple[str, int], tuple[str, int]] = {}
+        #: the stream generation each chunk was last sent for (a second send of the same one is a re-send)
+        self.sent_for: dict[tuple[str, int], int] = {}
 
     def send(self, kind: str, index: int, node: str | None = None) -> str:
         """Send chunk `index` of `kind` to the engine queue, or with `node` to that engine worker's own queue."""
@@ -109,10 +111,16 @@ class ChunkDispatcher:
                 node = routes.get(i)
                 self.send(kind, i, node)
                 self.sent += 1
+                if self.sent_for.get((kind, i)) == generation:
+                    log.warning("job %s: chunk %s %s (stream %s) sent again: it failed, its engine worker stopped "
+                                "heartbeating, or no engine worker took it within %.0f s", self.job_id, kind, i,
+                                generation, self.settings.engine_chunk_resend_seconds)
+                self.sent_for[(kind, i)] = generation
                 if node is not None:
                     self.direct[(kind, i)] = (node, generation)
                     self.sent_direct += 1
-                    log.info("job %s: chunk %s %s sent to %s, whose engine is warm for it", self.job_id, kind, i, node)
+                log.info("job %s: chunk %s %s (stream %s) sent to %s", self.job_id, kind, i, generation,
+                         f"{node}, whose engine is warm for it" if node else self.queue)
 
     def _live_direct(self, s: Session) -> set[str]:
         """Node names of live engine workers that consume this job's engine queue and their worker-direct queue."""

@@ -18,6 +18,9 @@ One stack for the module: PostgreSQL, Redis (broker and live channel), two engin
 - kill -9 of an engine worker mid-chunk: another one redoes the chunk, the job succeeds, the trainer read
   every micro-batch once in order, the killed worker's engine died with it. A cancel during capture: the job
   is cancelled, its chunks stopped, and no engine is left.
+- kill -9 of an engine worker frozen mid-way through a regeneration chunk (some answers written): another
+  one redoes the chunk, continuing from the answers in the chunk's file, the job succeeds, every
+  conversation is answered once (chunk files and the trainer's cache), the killed worker's engine died.
 """
 
 from __future__ import annotations
@@ -302,3 +305,70 @@ def test_kill_an_engine_worker_then_cancel(stack, processes_mentioning):
     assert not any(r.state in ("sent", "running") for r in rows_of(stack, job_id))
     assert not processes_mentioning(engines), "an engine survived the cancel"
 
+
+
+def descendants(pid: int) -> set[int]:
+    """Live processes below `pid` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in found:
+                found.add(child)
+                todo.append(child)
+    return {p for p in found if not gone(p)}
+
+
+def test_kill_an_engine_worker_during_regeneration(stack):
+    from peagle.data.remote_regen import read_regen_plan, regen_dir
+
+    # conversations no earlier test regenerated (the owner's regeneration cache has none of them); as many
+    # chunks in flight as there are live engine workers, so that idle ones take chunks from the shared queue
+    job_id = stack.submit(split_spec(engine=True, regen=True, skip=16, replicas=2))
+    d = regen_dir(stack.settings.resolved_artifact_root() / job_id)
+    deadline = time.monotonic() + 900
+    victim = None
+    while victim is None:  # an engine worker has answered part of its regeneration chunk
+        assert time.monotonic() < deadline and stack.job(job_id).status in ("queued", "running"), stack.logs()[-4000:]
+        plan = read_regen_plan(d)
+        for r in rows_of(stack, job_id):
+            if r.kind == "regenerate" and r.state == "running" and plan is not None:
+                answers = d / f"chunk_{r.index:06d}" / f"{plan['group']}.jsonl"
+                if answers.exists() and answers.read_text().strip():
+                    victim = r
+        time.sleep(0.05)
+    pid = int(victim.worker.rsplit(":", 1)[1])  # the engine worker's main process runs its chunks (solo pool)
+    os.kill(pid, signal.SIGSTOP)  # frozen mid-chunk until the kill: it writes no more answers, no marker
+    assert not (d / f"chunk_{victim.index:06d}.done").exists(), "the chunk ended before the kill"
+    engines = descendants(pid)  # its generation engine (vllm serve and its engine core)
+    assert engines, "the engine worker runs no engine"
+    os.killpg(pid, signal.SIGKILL)
+    finished(stack, job_id)
+    redone = next(r for r in rows_of(stack, job_id) if r.kind == "regenerate" and r.index == victim.index)
+    assert redone.state == "done" and redone.worker != victim.worker and redone.attempts >= 2
+    deadline = time.monotonic() + 60
+    while any(not gone(p) for p in engines):  # the killed worker's engine died with it
+        assert time.monotonic() < deadline, f"engine processes {sorted(engines)} survived their worker"
+        time.sleep(0.2)
+    # every conversation answered exactly once: in the chunks' files and in the trainer's cache
+    plan = read_regen_plan(d)
+    assert plan is not None
+    keys: list[str] = []
+    for i in range(len(plan["chunks"])):
+        for line in (d / f"chunk_{i:06d}" / f"{plan['group']}.jsonl").read_text().splitlines():
+            try:
+                keys.append(json.loads(line)["key"])
+            except ValueError:
+                continue  # a line the killed worker left half-written
+    assert keys and len(keys) == len(set(keys)), sorted(keys)  # the redone chunk continued, answering no one twice
+    rep = regen_report(stack, job_id)  # the trainer found every answer in its cache (merged from the chunks)
+    assert rep["generated"] == 0 and rep["cached"] >= len(keys), rep
+    cached = [json.loads(x)["key"] for x in Path(rep["cache_file"]).read_text().splitlines() if x.strip()]
+    assert set(keys) <= set(cached) and len(cached) == len(set(cached))
