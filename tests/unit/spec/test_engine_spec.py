@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 
 from peagle.engine.placement import split_devices
-from peagle.spec import SpecInvalidError, parse_spec, preset
-
-BASE = {"target": {"model": "org/model"}}
-
-
-def problems(**sections) -> dict[str, str]:
-    try:
-        parse_spec({**BASE, **sections})
-    except SpecInvalidError as exc:
-        return {p.path: p.message for p in exc.problems}
-    return {}
+from peagle.spec import parse_spec, preset
+from tests.unit.spec.spec_problems import BASE, problems
 
 
 def test_extra_args_take_only_allowed_flags_with_checked_values():

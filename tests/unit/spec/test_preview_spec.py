@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from peagle.spec import PHASES, SpecInvalidError, parse_spec, preset
+from peagle.spec import PHASES, parse_spec, preset
 from peagle.spec.doc import render
 from peagle.spec.metrics import is_preview_key, key_patterns, preview_key, preview_values
-
-BASE = {"target": {"model": "org/model"}}
-
-
-def problems(**sections) -> dict[str, str]:
-    try:
-        parse_spec({**BASE, **sections})
-    except SpecInvalidError as exc:
-        return {p.path: p.message for p in exc.problems}
-    return {}
+from tests.unit.spec.spec_problems import BASE, problems
 
 
 def test_no_preview_by_default_and_the_fields_have_bounds() -> None:

@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-from peagle.spec import SpecInvalidError, parse_spec
-
-BASE = {"target": {"model": "org/model"}}
-
-
-def problems(**sections) -> dict[str, str]:
-    try:
-        parse_spec({**BASE, **sections})
-    except SpecInvalidError as exc:
-        return {p.path: p.message for p in exc.problems}
-    return {}
+from peagle.spec import parse_spec
+from tests.unit.spec.spec_problems import BASE, problems
 
 
 def test_a_job_without_engine_is_unchanged():
