@@ -23,6 +23,7 @@ queue (a duplicate message is harmless: one worker claims the chunk).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -67,6 +68,11 @@ class ChunkDispatcher:
         self.d = remote_dir(run_dir)
         self.regen = regen_dir(run_dir)  # the regeneration's chunks (`peagle.data.remote_regen`)
         self._send = send  # (job_id, kind, index, queue, node or None) -> task id; default: the broker
+        #: when this attempt began: a ``release.json`` older than this is a dead attempt's (its trainer runs on
+        #: this machine, so the file's mtime and this clock agree), whose chunks this attempt's trainer will
+        #: not read (it starts a new stream generation): nothing is sent for it. A second of margin: file times
+        #: come from a coarser clock, and a dead attempt's last write is a lease's length older at least.
+        self.since = time.time() - 1.0
         self._producer: Any = None
         self.sent = 0
         self.sent_direct = 0
@@ -91,7 +97,7 @@ class ChunkDispatcher:
         todo: list[tuple[str, list[int], int]] = [("regenerate", pending_regen_chunks(self.regen), 0)]
         rel = None
         if read_plan(self.d) is not None:
-            rel = read_json(self.d / "release.json") if (self.d / "release.json").exists() else None
+            rel = read_json(self.d / "release.json") if self._released_now() else None
             todo.append(("eval", [0] if eval_pending(self.d) else [], 0))
         if isinstance(rel, dict):
             todo.append(("capture", pending_chunks(self.d), int(rel["generation"])))
@@ -121,6 +127,13 @@ class ChunkDispatcher:
                     self.sent_direct += 1
                 log.info("job %s: chunk %s %s (stream %s) sent to %s", self.job_id, kind, i, generation,
                          f"{node}, whose engine is warm for it" if node else self.queue)
+
+    def _released_now(self) -> bool:
+        """Whether ``release.json`` was written by this attempt's trainer."""
+        try:
+            return (self.d / "release.json").stat().st_mtime >= self.since
+        except FileNotFoundError:
+            return False
 
     def _live_direct(self, s: Session) -> set[str]:
         """Node names of live engine workers that consume this job's engine queue and their worker-direct queue."""

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,9 +105,9 @@ def test_dispatcher_sends_to_the_warm_worker_and_falls_back(factory, tmp_path):
         for name in ("e1@h", "e2@h"):
             announce(s, name=name, queues=["engine-cpu"], gpus=0)
         announce(s, name="t@h", queues=["cpu"], gpus=0)  # a trainer worker has no direct queue
-    d = write_protocol(tmp_path / "run", chunks=6, released=6)
     sent: list[tuple[str, int, str | None]] = []
     disp = dispatcher(factory, tmp_path, job_id, sent)
+    d = write_protocol(tmp_path / "run", chunks=6, released=6)  # by this attempt's trainer
     disp.tick()
     assert sent == [("capture", 0, None)]  # nothing warm yet: the shared queue
     run_chunk(factory, job_id, 0, "e1@h:11")
@@ -147,9 +148,9 @@ def test_direct_chunk_not_taken_is_resent_after_the_deadline(factory, tmp_path):
     job_id = new_job(factory, status="running")
     with session_scope(factory) as s:
         announce(s, name="e1@h", queues=["engine-cpu"], gpus=0)
-    d = write_protocol(tmp_path / "run", chunks=3, released=3)
     sent: list[tuple[str, int, str | None]] = []
     disp = dispatcher(factory, tmp_path, job_id, sent)
+    d = write_protocol(tmp_path / "run", chunks=3, released=3)
     disp.settings = disp.settings.model_copy(update={"engine_chunk_resend_seconds": 0.0})
     disp.tick()
     run_chunk(factory, job_id, 0, "e1@h:11")
@@ -214,3 +215,21 @@ def test_a_chunk_sent_direct_reaches_that_engine_worker(make_stack):
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.1)
     assert worker == f"{nodes[1]}:{procs[1].pid}"
+
+
+def test_a_dead_attempts_release_sends_nothing(factory, tmp_path):
+    """A resumed attempt's dispatcher ignores the release its killed predecessor left: its own trainer starts a
+    new stream generation, so chunks of the old one would be captured for nothing."""
+    import os
+
+    job_id = new_job(factory, status="running")
+    d = write_protocol(tmp_path / "run", chunks=3, released=3, generation=4)
+    old = time.time() - 60
+    os.utime(d / "release.json", (old, old))
+    sent: list[tuple[str, int, str | None]] = []
+    disp = dispatcher(factory, tmp_path, job_id, sent)
+    disp.tick()
+    assert sent == []
+    write_protocol(tmp_path / "run", chunks=3, released=3, generation=5)  # this attempt's trainer
+    disp.tick()
+    assert sent == [("capture", 0, None)]
