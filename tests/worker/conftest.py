@@ -314,6 +314,32 @@ def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Calla
 
 
 @pytest.fixture
+def api(tiny_target_path: Path) -> Iterator[Callable[[Stack], Any]]:
+    """`api(stack)` -> an httpx-style TestClient on the API app with a read and write key of owner `tests`
+    (the target fixture built first: the jobs it submits train it)."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from service.db import repo
+    from service.db.session import session_scope
+
+    clients: list[Any] = []
+
+    def make(stack: Stack) -> Any:
+        with session_scope(stack.factory) as s:
+            _row, key = repo.create_key(s, "tests", ["read", "write"])
+        client = TestClient(create_app(stack.settings))
+        client.__enter__()
+        client.headers["Authorization"] = f"Bearer {key}"
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
 def spec_for() -> Callable[..., dict[str, Any]]:
     """`spec_for(steps=, every=, max_restarts=, data_path=)`: a job spec (see `fake_spec`)."""
     return fake_spec

@@ -18,30 +18,6 @@ BASE = {"data": {"eval_samples": 0}, "optim": {"max_steps": 6}, "checkpoints": {
         "eval": {"prompt_sets": []}}
 
 
-@pytest.fixture
-def api(tiny_target_path: Any) -> Any:
-    from fastapi.testclient import TestClient
-
-    from api.main import create_app
-    from service.db import repo
-    from service.db.session import session_scope
-
-    clients = []
-
-    def make(stack: Any) -> Any:
-        with session_scope(stack.factory) as s:
-            _row, key = repo.create_key(s, "tests", ["read", "write"])
-        client = TestClient(create_app(stack.settings))
-        client.__enter__()
-        client.headers["Authorization"] = f"Bearer {key}"
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
-
-
 def _submit(client: Any, preview: dict[str, int]) -> str:
     r = client.post("/v1/jobs", json={"preset": "tiny", "overrides": {**BASE, "preview": preview}})
     assert r.status_code == 201, r.text

@@ -30,31 +30,6 @@ OVERRIDES = {"data": {"eval_samples": 0}, "optim": {"max_steps": 6}, "checkpoint
              "eval": {"prompt_sets": []}}
 
 
-@pytest.fixture
-def api(tiny_target_path):
-    """`api(stack)` -> an httpx-style TestClient on the API app with a write key of owner `tests`."""
-    from fastapi.testclient import TestClient
-
-    from api.main import create_app
-    from service.db import repo
-    from service.db.session import session_scope
-
-    clients = []
-
-    def make(stack):
-        with session_scope(stack.factory) as s:
-            _row, key = repo.create_key(s, "tests", ["read", "write"])
-        client = TestClient(create_app(stack.settings))
-        client.__enter__()
-        client.headers["Authorization"] = f"Bearer {key}"
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
-
-
 def submit(client, overrides=None):
     r = client.post("/v1/jobs", json={"preset": "tiny", "overrides": overrides or OVERRIDES})
     assert r.status_code == 201, r.text
