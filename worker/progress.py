@@ -32,10 +32,9 @@ from peagle.spec.metrics import (
     al_pos_values,
     eval_key,
     is_measured_al_key,
-    is_preview_key,
 )
 from service.db.lease import Batch, CheckpointMetrics, Lease, MetricRecord
-from service.db.replay import FINAL_PHASES
+from service.db.replay import FINAL_PHASES, PREVIEW, metric_kind
 
 __all__ = ["ProgressCollector", "Recovered", "parse_line", "recover"]
 
@@ -328,7 +327,7 @@ def recover(*, path: Path, lease: Lease, collector: ProgressCollector, redact: C
                     if rec.get("kind") == "eval":
                         finals.add(str(phase))
                 continue
-            if rec["type"] == "metric" and any(map(is_preview_key, rec.get("values") or {})):
+            if rec["type"] == "metric" and metric_kind(rec.get("values") or {}) == PREVIEW:
                 continue  # the preview's (its own steps, no floor): a lost one is not worth a duplicate
             if rec["type"] == "metric" and isinstance(rec.get("step"), int):
                 key = (rec["step"], tuple(sorted((rec.get("values") or {}).keys())))
