@@ -14,7 +14,7 @@ import tarfile
 
 import pytest
 
-from tests.worker.test_worker_real import api, submit  # noqa: F401  (the `api` fixture)
+from tests.worker.test_worker_real import submit
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ OVERRIDES = {"data": {"eval_samples": 0}, "optim": {"max_steps": 4}, "checkpoint
                       "max_new_tokens": 4}}
 
 
-def test_best_checkpoint_download_carries_parity_json(make_stack, api, tmp_path):  # noqa: F811
+def test_best_checkpoint_download_carries_parity_json(make_stack, api, tmp_path):
     stack = make_stack("embedded", fake_trainer=False)
     stack.start_worker()
     client = api(stack)
