@@ -164,11 +164,15 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
         d = remote_regen.regen_dir(run)
     try:
         plan = remote_regen.read_regen_plan(d) if kind == "regenerate" else remote.read_plan(d)
-        gpus = int(((plan or {}).get("spec", {}).get("resources", {}).get("engine") or {}).get("gpus", 0))
+        if plan is None:  # not claimed: the chunk stays `sent`, so its re-send goes out without a lease to lapse
+            log.warning("job %s chunk %s/%s: no plan in %s on this worker (is the shared volume mounted here?): "
+                        "skipped", job_id, kind, index, d)
+            return "skipped"
+        gpus = int((plan.get("spec", {}).get("resources", {}).get("engine") or {}).get("gpus", 0))
         with session_scope(factory) as s:
             generation = start_chunk(s, job_id, kind, index, worker=name, gpus=gpus,
                                      lease_seconds=settings.lease_seconds)
-        if generation is None or plan is None:
+        if generation is None:
             log.info("job %s chunk %s/%s: not this worker's (done, stopped or running elsewhere): skipped",
                      job_id, kind, index)
             return "skipped"

@@ -102,3 +102,20 @@ def test_lost_chunk_message_is_sent_again_and_the_duplicate_is_harmless(factory)
     with session_scope(factory) as s:
         rows = {r.index: r for r in et.task_rows(s, job_id)}
         assert rows[0].state == "running" and rows[0].worker == "b" and rows[0].attempts == 1
+
+
+def test_a_chunk_without_its_plan_is_not_claimed(factory, tmp_path):
+    # an engine worker that cannot see the job's plan (the shared volume not mounted there) leaves the chunk
+    # `sent`: claiming it would hold it under a lease nobody renews until it lapses
+    from service.settings import Settings
+    from worker.engine_task import run_chunk
+
+    job_id = new_job(factory, status="running")
+    with session_scope(factory) as s:
+        assert et.plan_sends(s, job_id, kind="capture", pending=[0], generation=1, replicas=1, lease_seconds=5,
+                             max_attempts=2) == ([0], [])
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    assert run_chunk(settings, job_id, "capture", 0, worker="e@h:1") == "skipped"
+    with session_scope(factory) as s:
+        r = et.task_rows(s, job_id)[0]
+        assert (r.state, r.worker, r.attempts) == ("sent", None, 0)
