@@ -123,6 +123,16 @@ def _finished_training(run: Path) -> tuple[int, int] | None:
     return (step, total) if step >= total else None
 
 
+def _resume_micro_batch(run: Path, grad_accumulation: int) -> int:
+    """The micro-batch a run resumed from RUN's newest complete checkpoint reads first (step * A), 0 without
+    one. A hint for a streaming source, checked by files and sizes only: the Trainer verifies the checkpoint,
+    and a source asked for another micro-batch restarts its stream there."""
+    from peagle.train.checkpoint import find_resumable
+
+    ckpt = find_resumable(run / "checkpoints", check_hash=False)
+    return int(ckpt.name.removeprefix("step_")) * grad_accumulation if ckpt is not None else 0
+
+
 def _write_json(path: Path, data: Any) -> None:
     atomic_write_json(path, data, indent=2, sort_keys=True, default=str, newline=True)
 
@@ -263,8 +273,9 @@ def run_pipeline(
 
     _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
     # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation
-    with feature_sources(target, base, prepared, run, vocab=vocab, aux_ids=aux_ids,
-                         sink=_NoPhases(sink)) as (source, eval_source):
+    start = _resume_micro_batch(run, spec.optim.grad_accumulation) if resume == "auto" else 0
+    with feature_sources(target, base, prepared, run, vocab=vocab, aux_ids=aux_ids, sink=_NoPhases(sink),
+                         start_micro_batch=start) as (source, eval_source):
         steps = total_steps(spec.optim, source.num_batches())
         resolved = base.resolve(cuda_available=device.type == "cuda", target_num_layers=n_layers,
                                 mask_token_id=mask_token_id,

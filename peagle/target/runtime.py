@@ -141,10 +141,13 @@ def wait_for_rank0(data_dir: Path, *, timeout_s: float = 7 * 24 * 3600.0) -> Non
 
 @contextlib.contextmanager
 def feature_sources(
-    target: TargetRuntime, resolved: Any, prepared: Any, run: Path, *, vocab: Any, aux_ids: list[int], sink: ProgressSink
+    target: TargetRuntime, resolved: Any, prepared: Any, run: Path, *, vocab: Any, aux_ids: list[int], sink: ProgressSink,
+    start_micro_batch: int = 0,
 ) -> Iterator[tuple[Any, Any]]:
     """(train source, eval source or None) for the trainer; the engine (if any) runs for as long as the
-    sources need it and is stopped when the block exits (normally, by an error or by SIGTERM)."""
+    sources need it and is stopped when the block exits (normally, by an error or by SIGTERM).
+    `start_micro_batch`: where a split job's stream starts (a resumed run's checkpoint; the engine workers
+    capture from there while the held-out chunks run, not from 0)."""
     from peagle.target.capture import TargetCapture
     from peagle.target.sources import (
         OfflineFeatureSource,
@@ -169,7 +172,8 @@ def feature_sources(
         return
 
     if spec.resources.engine is not None:
-        yield _remote_sources(target, spec, prepared, run, aux_ids=aux_ids, selected=selected, sink=sink)
+        yield _remote_sources(target, spec, prepared, run, aux_ids=aux_ids, selected=selected, sink=sink,
+                              start=start_micro_batch)
         return
 
     from peagle.engine.server import CaptureOptions, VllmServer
@@ -226,7 +230,7 @@ def feature_sources(
 
 
 def _remote_sources(target: TargetRuntime, spec: Any, prepared: Any, run: Path, *, aux_ids: list[int], selected: Any,
-                    sink: ProgressSink) -> tuple[Any, Any]:
+                    sink: ProgressSink, start: int = 0) -> tuple[Any, Any]:
     """A split job's sources (`resources.engine`): the capture plan for the engine workers, the held-out
     shards they write, and the `RemoteFeatureSource` the trainer reads (`peagle.target.remote`)."""
     from peagle.data.remote_regen import remote_dir
@@ -264,7 +268,9 @@ def _remote_sources(target: TargetRuntime, spec: Any, prepared: Any, run: Path, 
         bias = None if bias is None else bias.index_select(0, selected.long())
     source = RemoteFeatureSource(d, head_weight=weight, head_bias=bias,
                                  disk_budget_bytes=spec.resources.feature_disk_gb * 1e9)
-    source.restart(0)  # capture chunks run while the held-out ones do; a resumed trainer restarts at its batch
+    # capture chunks run while the held-out ones do, from where the trainer will read first (past the last
+    # micro-batch: nothing to capture, the Trainer restarts the stream where it really reads)
+    source.restart(min(max(start, 0), total))
     eval_source = None
     if len(prepared.eval):
         wait_for_eval(d)

@@ -250,6 +250,9 @@ def test_kill_the_trainer_worker_resumes_exactly(stack, processes_mentioning):
     # last, each once, in order: the log is the killed attempt's run followed by range(resumed_at, steps).
     assert before == list(range(len(before))) and 0 < resumed_at <= len(before) < steps, (before, resumed_at)
     assert consumed(stack, job_id) == before + list(range(resumed_at, steps))
+    # the killed attempt read stream 1; the resumed one's stream starts at its checkpoint's micro-batch (stream
+    # 2, no chunk captured from 0 for nothing while the held-out chunks ran, then stream 3 from `resumed_at`)
+    assert max(r.generation for r in rows_of(stack, job_id) if r.kind == "capture") == 2
     assert not list((run / "data" / "features" / "remote").glob("mb_*"))
 
     one = stack.submit(split_spec(engine=False, steps=steps, every=every, max_restarts=1, disk_gb=disk_gb))  # one worker

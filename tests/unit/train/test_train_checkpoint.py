@@ -108,3 +108,15 @@ def test_sinks_write_json_lines(tmp_path: Path) -> None:
     assert lines[0]["values"] == {"loss": 1.5, "bad": None} and isinstance(lines[0]["time"], float)
     assert lines[1]["kind"] == "checkpoint" and lines[1]["is_best"] is True
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 3 and len(rec.records) == 3
+
+
+def test_a_resumed_stream_starts_at_the_newest_complete_checkpoints_micro_batch(tmp_path):
+    from peagle.pipeline import _resume_micro_batch
+
+    run = tmp_path / "run"
+    assert _resume_micro_batch(run, 4) == 0  # no checkpoint: from the start
+    _save(run / "checkpoints", 3, 0.5)
+    _save(run / "checkpoints", 6, 0.4)
+    assert _resume_micro_batch(run, 4) == 24  # step 6 with grad_accumulation 4
+    (run / "checkpoints" / "step_000006" / "training_state.pt").write_bytes(b"cut")  # truncated: step 3's
+    assert _resume_micro_batch(run, 1) == 3
