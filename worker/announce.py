@@ -2,7 +2,11 @@
 
 A thread of the worker's main process, started when Celery reports the worker ready (it consumes its
 queues) and stopped, its row deleted, when the worker shuts down. Each beat opens and closes its own
-database connection, so none is open across the pool's forks of its child processes for long.
+database connection, and no fork of this process happens during a beat: the prefork pool forks a child
+for every job, and a child forked mid-beat inherits the beat's open connection and, with SQLite, its
+per-process lock table holding the beat's write lock, so the child's own connection finds the database
+locked until its busy timeout and the job's claim fails (the job then waits, queued, for the reaper).
+`os.register_at_fork` makes a fork wait for the beat in progress (`_BEAT`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ from service.settings import Settings
 __all__ = ["Announcer", "visible_gpus"]
 
 log = logging.getLogger(__name__)
+
+#: Held by a beat for as long as its database connection is open, and by a fork of this process (module
+#: docstring); registered with `os.register_at_fork` once, by the first `Announcer.start`.
+_BEAT = threading.Lock()
+_fork_gate: list[bool] = []
+
+
+def _gate_forks() -> None:
+    """A fork of this process waits for the beat in progress; the child starts with the gate open."""
+    if not _fork_gate and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_BEAT.acquire, after_in_parent=_BEAT.release, after_in_child=_BEAT.release)
+        _fork_gate.append(True)
 
 
 def visible_gpus() -> int:
@@ -50,15 +66,16 @@ class Announcer:
         self._thread: threading.Thread | None = None
 
     def _write(self, *, alive: bool) -> None:
-        engine = make_engine(self.settings.resolved_database_url())
-        try:
-            with session_scope(make_session_factory(engine)) as s:
-                if alive:
-                    announce(s, name=self.name, queues=self.queues, gpus=self.gpus)
-                else:
-                    retire(s, name=self.name)
-        finally:
-            engine.dispose()
+        with _BEAT:
+            engine = make_engine(self.settings.resolved_database_url())
+            try:
+                with session_scope(make_session_factory(engine)) as s:
+                    if alive:
+                        announce(s, name=self.name, queues=self.queues, gpus=self.gpus)
+                    else:
+                        retire(s, name=self.name)
+            finally:
+                engine.dispose()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -70,6 +87,7 @@ class Announcer:
 
     def start(self, **_: object) -> None:
         """Start beating (Celery's `worker_ready` signal calls it); the first row is written at once."""
+        _gate_forks()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="peagle-announce", daemon=True)
             self._thread.start()

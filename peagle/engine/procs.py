@@ -36,11 +36,16 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent(parent: int, sig: int) -> Callable[[], None]:
     """A `preexec_fn` (runs in the child between fork and exec) asking the kernel for `sig` when the
-    parent dies; if the parent died already (before the request), the child signals itself."""
+    parent dies; if the parent died already (before the request), the child signals itself. libc's
+    `prctl` is looked up here, in the parent: a `dlopen` in the child of a threaded process can wait
+    forever for a loader lock that another thread held at the fork."""
+    prctl = None
+    with contextlib.suppress(OSError, AttributeError):
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 
     def hook() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent:
             os.kill(os.getpid(), sig)
 
