@@ -186,8 +186,9 @@ def test_engine_workers_consume_their_direct_queue(tmp_path):
 
 
 def test_a_chunk_sent_direct_reaches_that_engine_worker(make_stack):
-    """A real engine worker (Celery, Redis) takes a chunk from its worker-direct queue and records itself
-    as `<node>:<pid>`; the other engine worker, idle on the shared queue, never sees it."""
+    """A real engine worker (Celery, Redis) takes a chunk from its worker-direct queue (a chunk without a
+    plan: it logs the skip and leaves the chunk unclaimed); the other engine worker, idle on the shared
+    queue, never sees it."""
     import time
 
     from service.queue import engine_queue, make_producer
@@ -206,15 +207,18 @@ def test_a_chunk_sent_direct_reaches_that_engine_worker(make_stack):
         producer.send_engine_chunk(job_id, "capture", 0, engine_queue(stack.queue), node=nodes[1])
     finally:
         producer.close()
+    # the chunk has no plan: the worker that receives it skips it without claiming it and says so in its log
+    # (one log file per worker process: worker-<n>.log is nodes[n]'s)
+    said = f"job {job_id} chunk capture/0: no plan"
     deadline = time.monotonic() + 60
-    while True:  # the chunk has no plan: the worker takes it and skips it, its row names the worker
-        with session_scope(stack.factory) as s:
-            worker = s.scalars(et.sa.select(et.EngineTask.worker).where(et.EngineTask.job_id == job_id)).one()
-        if worker is not None:
-            break
+    while said not in (stack.tmp / "worker-1.log").read_text(errors="replace"):
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.1)
-    assert worker == f"{nodes[1]}:{procs[1].pid}"
+    assert job_id not in (stack.tmp / "worker-0.log").read_text(errors="replace")
+    assert all(p.poll() is None for p in procs)
+    with session_scope(stack.factory) as s:
+        row = s.scalars(et.sa.select(et.EngineTask).where(et.EngineTask.job_id == job_id)).one()
+        assert (row.state, row.worker) == ("sent", None)
 
 
 def test_a_dead_attempts_release_sends_nothing(factory, tmp_path):
