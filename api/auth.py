@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
+from api.retry import is_dropped_connection
 from service.db import repo
 from service.db.models import ApiKey, AuthSession, utcnow
 
@@ -212,11 +213,22 @@ async def _lookup_once(state: AppState, cache_key: str, load: Load) -> repo.Prin
     The bound on revocation is unchanged: the entry expires `AUTH_CACHE_S` after its lookup started.
     """
     inflight = state.principals.inflight
+    joined = inflight.get(cache_key)
+    if joined is not None:
+        try:
+            return await asyncio.shield(joined)
+        except Exception as exc:
+            # The lookup this request joined started before it, maybe on a pooled connection PostgreSQL had
+            # already dropped: its failure is not this request's (a request retried by `RetryMiddleware`
+            # would otherwise fail again on its predecessor's stale connection). That failure discarded the
+            # stale pool, so a lookup started now gets a fresh connection.
+            if not is_dropped_connection(exc):
+                raise
     task = inflight.get(cache_key)
-    if task is None:
+    if task is None or task is joined:
         task = asyncio.ensure_future(run_in_threadpool(_lookup, state, cache_key, load))
         inflight[cache_key] = task
-        task.add_done_callback(lambda _t: inflight.pop(cache_key, None))
+        task.add_done_callback(lambda t: inflight.pop(cache_key, None) if inflight.get(cache_key) is t else None)
     return await asyncio.shield(task)
 
 

@@ -108,29 +108,29 @@ def _finished_training(run: Path) -> tuple[int, int] | None:
     wrote RUN/resolved_spec.json (its `optim.max_steps` is the resolved total), else None."""
     import json
 
-    from peagle.train.checkpoint import find_resumable
-
     try:
         total = json.loads((run / "resolved_spec.json").read_text(encoding="utf-8"))["optim"]["max_steps"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    # files and sizes, not hashes: the evaluation after training reads the checkpoint as it is either way,
-    # and a resumed run that is not complete should not hash its checkpoint twice (the Trainer does)
-    ckpt = find_resumable(run / "checkpoints", check_hash=False) if isinstance(total, int) else None
-    if ckpt is None or not isinstance(total, int):
-        return None
-    step = int(ckpt.name.removeprefix("step_"))
-    return (step, total) if step >= total else None
+    step = _newest_step(run) if isinstance(total, int) else None
+    return (step, total) if step is not None and step >= total else None
+
+
+def _newest_step(run: Path) -> int | None:
+    """The step of RUN's newest COMPLETE checkpoint, None without one. Checked by files and sizes, not hashes:
+    the evaluation after training reads the checkpoint as it is either way, a streaming source's start is a
+    hint, and a resumed run should not hash its checkpoint twice (the Trainer does)."""
+    from peagle.train.checkpoint import find_resumable
+
+    ckpt = find_resumable(run / "checkpoints", check_hash=False)
+    return int(ckpt.name.removeprefix("step_")) if ckpt is not None else None
 
 
 def _resume_micro_batch(run: Path, grad_accumulation: int) -> int:
     """The micro-batch a run resumed from RUN's newest complete checkpoint reads first (step * A), 0 without
     one. A hint for a streaming source, checked by files and sizes only: the Trainer verifies the checkpoint,
     and a source asked for another micro-batch restarts its stream there."""
-    from peagle.train.checkpoint import find_resumable
-
-    ckpt = find_resumable(run / "checkpoints", check_hash=False)
-    return int(ckpt.name.removeprefix("step_")) * grad_accumulation if ckpt is not None else 0
+    return (_newest_step(run) or 0) * grad_accumulation
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -102,3 +102,54 @@ def test_writes_survive_dropped_database_connections(settings_factory: Any, live
         rows = conn.execute(sa.text("SELECT count(*) FROM webhook_endpoint")).scalar_one()
     created = 48 + 150 + during.count(201)
     assert created <= rows <= created + during.count(503)  # a 503 may have been applied; nothing twice
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_key_lookup_joined_on_a_dropped_connection_is_redone(db_url: str) -> None:
+    """The CI failure {201: 149, 500: 1}: a retried request's key lookup joined one that another request had
+    started earlier on a stale pooled connection, and failed with it. The joiner now looks up again (the
+    failure discarded the stale pool), while the request that started it fails as before (its own retry)."""
+    import asyncio
+    import threading
+
+    import sqlalchemy as sa
+
+    from api import auth
+    from service.db import repo
+    from service.db.session import make_engine, make_session_factory
+
+    engine = make_engine(db_url, pool_pre_ping=False)
+    try:
+        with engine.connect() as conn:  # a pooled connection, then dropped under the pool
+            conn.execute(sa.text("SELECT 1"))
+        assert _drop_connections(db_url) >= 1
+        state: Any = type("S", (), {"principals": auth.PrincipalCache(ttl_s=0),
+                                    "sessions": make_session_factory(engine)})()
+        release = threading.Event()
+        principal = repo.Principal(1, "o", 1, frozenset({"read"}))
+
+        def first(session: Any) -> repo.Principal:
+            release.wait(10)  # the second request joins meanwhile
+            session.execute(sa.text("SELECT 1"))  # the stale connection
+            return principal
+
+        def second(session: Any) -> repo.Principal:
+            session.execute(sa.text("SELECT 1"))
+            return principal
+
+        async def main() -> list[Any]:
+            a = asyncio.ensure_future(auth._lookup_once(state, "b:k", first))
+            await asyncio.sleep(0.05)
+            assert "b:k" in state.principals.inflight
+            b = asyncio.ensure_future(auth._lookup_once(state, "b:k", second))
+            await asyncio.sleep(0.05)
+            release.set()
+            return await asyncio.gather(a, b, return_exceptions=True)
+
+        a, b = asyncio.run(main())
+        assert isinstance(a, sa.exc.OperationalError) and a.connection_invalidated, a
+        assert b == principal
+        assert state.principals.inflight == {}
+    finally:
+        engine.dispose()

@@ -189,7 +189,6 @@ def test_a_chunk_sent_direct_reaches_that_engine_worker(make_stack):
     """A real engine worker (Celery, Redis) takes a chunk from its worker-direct queue (a chunk without a
     plan: it logs the skip and leaves the chunk unclaimed); the other engine worker, idle on the shared
     queue, never sees it."""
-    import time
 
     from service.queue import engine_queue, make_producer
 
