@@ -10,6 +10,12 @@ inside the same directory (atomic: of two consumers exactly one wins) before rea
 still does not decode (a file damaged outside the service) is logged and dropped; the reaper re-sends
 a queued job whose message is not in the broker.
 
+kombu's exchange tables (`control/<exchange>.exchange`, which queues an exchange routes to) have the same
+race: its `_queue_bind` creates a missing table file, and only then locks it and writes it. A second
+worker starting at the same moment (both declare their queues) finds the file, locks it first, reads it
+empty and dies of the JSONDecodeError. Here the file is opened (created if missing) and locked before
+anything reads it, and an empty table file reads as no bindings yet.
+
 Selected by `service.queue.celery_config` (`broker_transport`) on the API and the worker alike.
 File names, their order and the folder options are kombu's.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -74,12 +81,55 @@ class Channel(filesystem.Channel):
                             len(payload))
         raise Empty()
 
+    def get_table(self, exchange: Any) -> list[Any]:
+        """The exchange's bindings (`exchange_queue_t`); a table file just created and not yet written is none."""
+        file = self._exchange_file(exchange)
+        try:
+            with file.open("rb") as f:
+                filesystem.lock(f, filesystem.LOCK_SH)
+                try:
+                    data = f.read()
+                finally:
+                    filesystem.unlock(f)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}") from exc
+        return _table(data)
+
+    def _queue_bind(self, exchange: Any, routing_key: Any, pattern: Any, queue: Any) -> None:
+        """Add a binding to the exchange's table, read and written under one exclusive lock taken before
+        anything reads it (the module docstring: kombu's reads a table another worker is still creating)."""
+        file = self._exchange_file(exchange)
+        self.control_folder.mkdir(exist_ok=True)
+        entry = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+            with os.fdopen(fd, "rb+", buffering=0) as f:
+                filesystem.lock(f, filesystem.LOCK_EX)
+                try:
+                    queues = _table(f.read())
+                    if entry not in queues:
+                        queues.insert(0, entry)
+                        f.seek(0)
+                        f.truncate()
+                        f.write(str_to_bytes(dumps(queues)))
+                finally:
+                    filesystem.unlock(f)
+        except OSError as exc:
+            raise ChannelError(f"Cannot open {file}") from exc
+
     def _done_with(self, claimed: Path, name: str) -> None:
         if self.store_processed:
             with contextlib.suppress(OSError):
                 shutil.move(claimed, Path(self.processed_folder) / name)
                 return
         claimed.unlink(missing_ok=True)
+
+
+def _table(data: bytes) -> list[Any]:
+    """An exchange table file's bindings; an empty file (being created) has none."""
+    return [filesystem.exchange_queue_t(*q) for q in loads(bytes_to_str(data))] if data.strip() else []
 
 
 class Transport(filesystem.Transport):

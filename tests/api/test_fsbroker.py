@@ -120,3 +120,61 @@ def test_the_api_and_the_worker_use_it(tmp_path) -> None:
     finally:
         p.close()
     assert [f.name.endswith(".cpu.msg") for f in broker_folders(s)["queue"].iterdir()] == [True]
+
+
+def test_a_worker_binding_while_another_creates_the_exchange_table_reads_no_bindings(tmp_path) -> None:
+    """The CI failure of 2026-11-29: two workers started at once both bind their queues; kombu's binder
+    creates the exchange table file, then locks and writes it, and the other one read it empty in between
+    and died of the JSONDecodeError ('only 1 of 2 workers became ready'). Here the table file is as that
+    first binder leaves it between its create and its write: empty."""
+    conn = _control_channel(tmp_path)
+    try:
+        ch = conn.default_channel
+        table = ch.control_folder / "q.exchange"
+        ch.control_folder.mkdir()
+        table.write_bytes(b"")
+        assert ch.get_table("q") == []
+        ch._queue_bind("q", "q", None, "q")
+        ch._queue_bind("q", "q", None, "q")  # once only
+        assert [t.queue for t in ch.get_table("q")] == ["q"]
+    finally:
+        conn.release()
+
+
+def _control_channel(folder: Path) -> Any:
+    from kombu import Connection
+
+    return Connection("filesystem://", transport=FILESYSTEM_TRANSPORT, transport_options={
+        "data_folder_in": str(folder), "data_folder_out": str(folder), "control_folder": str(folder / "control")})
+
+
+def _bind_at_once(folder: str, queue: str, barrier: Any) -> None:
+    conn = _control_channel(Path(folder))
+    try:
+        barrier.wait(30)
+        conn.default_channel._queue_bind("shared", queue, None, queue)
+    finally:
+        conn.release()
+
+
+def test_workers_binding_at_once_all_get_their_binding(tmp_path) -> None:
+    """Eight processes bind their own queue to one exchange at the same moment, five times over: none fails
+    and the table holds all eight."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    for round_ in range(5):
+        folder = tmp_path / str(round_)
+        folder.mkdir()
+        barrier = ctx.Barrier(8)
+        procs = [ctx.Process(target=_bind_at_once, args=(str(folder), f"q{i}", barrier)) for i in range(8)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * 8
+        conn = _control_channel(folder)
+        try:
+            assert sorted(t.queue for t in conn.default_channel.get_table("shared")) == [f"q{i}" for i in range(8)]
+        finally:
+            conn.release()
