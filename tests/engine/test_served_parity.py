@@ -71,8 +71,10 @@ def test_the_recorded_draft_accepts_well_enough_for_a_break_to_show(parity_draft
     rec = read_parity(parity_draft / "export")
     assert rec is not None and rec["num_speculative_tokens"] == 3 and rec["max_new_tokens"] == 32
     assert len(rec["prompts"]) == 8 and rec["temperature"] == 0.0
-    # position 0 accepts far above the tolerance a drop must exceed (about 0.06 at these counts)
-    assert rec["per_position"][0] >= 0.8 and rec["num_drafts"] >= 80, rec
+    # position 0 accepts far above the tolerance a drop must exceed (0.05-0.2 at these counts), the later
+    # positions often enough for a zeroed mask_hidden to show (0.91 / 0.14 / 0.09 with one layer on one CPU,
+    # 0.74 / 0.04 / 0.04 on another, where the mask break went unseen; docs/export.md 7)
+    assert rec["per_position"][0] >= 0.6 and min(rec["per_position"][1:]) >= 0.1 and rec["num_drafts"] >= 80, rec
 
 
 def test_peagle_eval_passes_the_good_export_and_exits_12_on_a_norm_flag_not_matching_training(
@@ -93,11 +95,12 @@ def test_peagle_eval_passes_the_good_export_and_exits_12_on_a_norm_flag_not_matc
     bad = _peagle_eval(flipped, prompts)
     assert bad.returncode == EXIT_CODES["served_parity_failed"], bad.stderr[-3000:]
     parity = json.loads(bad.stdout)["parity"]  # the report is printed before the exit code says no
-    assert parity["ok"] is False and parity["fails"] is True and 0 in parity["failed_positions"]
+    assert parity["ok"] is False and parity["fails"] is True and parity["failed_positions"], parity  # a rate drops
     error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
     assert len(error) == 1 and error[0].startswith("error: served parity failed")
-    row = parity["positions"][0]
-    assert f"position 0: vLLM {row['vllm']:.2f} vs reference {row['reference']:.2f}" in error[0]
+    pos = parity["failed_positions"][0]
+    row = parity["positions"][pos]
+    assert f"position {pos}: vLLM {row['vllm']:.2f} vs reference {row['reference']:.2f}" in error[0]
     assert "norm_before_fc" in error[0] and "aux_hidden_state_layer_ids off by one" in error[0]
 
 
@@ -132,8 +135,8 @@ def test_the_job_serve_check_fails_a_broken_export_and_keeps_its_results(
         row = saved["positions"][pos]
         assert f"position {pos}: vLLM {row['vllm']:.2f} vs reference {row['reference']:.2f}" in msg
     req = saved["requests"]
-    if breakage == "norm_before_fc_on":  # position 0 collapses
-        assert 0 in saved["failed_positions"]
+    if breakage == "norm_before_fc_on":  # a rate collapses (positions 1 and 2 of this draft)
+        assert saved["failed_positions"], saved
     else:  # the rates hold on this draft; the proposals, prompt by prompt, do not
         assert 0 not in saved["failed_positions"] and req["ok"] is False
         assert req["compared"] >= 4 and req["matching"] < req["compared"] * req["agreement"], req
