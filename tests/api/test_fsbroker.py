@@ -19,8 +19,8 @@ from service.settings import get_settings
 def _channel(folder: Path) -> Any:
     from kombu import Connection
 
-    conn = Connection("filesystem://", transport=FILESYSTEM_TRANSPORT,
-                      transport_options={"data_folder_in": str(folder), "data_folder_out": str(folder)})
+    conn = Connection("filesystem://", transport=FILESYSTEM_TRANSPORT, transport_options={
+        "data_folder_in": str(folder), "data_folder_out": str(folder), "control_folder": str(folder / "control")})
     return conn, conn.default_channel
 
 
@@ -127,9 +127,8 @@ def test_a_worker_binding_while_another_creates_the_exchange_table_reads_no_bind
     creates the exchange table file, then locks and writes it, and the other one read it empty in between
     and died of the JSONDecodeError ('only 1 of 2 workers became ready'). Here the table file is as that
     first binder leaves it between its create and its write: empty."""
-    conn = _control_channel(tmp_path)
+    conn, ch = _channel(tmp_path)
     try:
-        ch = conn.default_channel
         table = ch.control_folder / "q.exchange"
         ch.control_folder.mkdir()
         table.write_bytes(b"")
@@ -141,18 +140,11 @@ def test_a_worker_binding_while_another_creates_the_exchange_table_reads_no_bind
         conn.release()
 
 
-def _control_channel(folder: Path) -> Any:
-    from kombu import Connection
-
-    return Connection("filesystem://", transport=FILESYSTEM_TRANSPORT, transport_options={
-        "data_folder_in": str(folder), "data_folder_out": str(folder), "control_folder": str(folder / "control")})
-
-
 def _bind_at_once(folder: str, queue: str, barrier: Any) -> None:
-    conn = _control_channel(Path(folder))
+    conn, ch = _channel(Path(folder))
     try:
         barrier.wait(30)
-        conn.default_channel._queue_bind("shared", queue, None, queue)
+        ch._queue_bind("shared", queue, None, queue)
     finally:
         conn.release()
 
@@ -173,8 +165,8 @@ def test_workers_binding_at_once_all_get_their_binding(tmp_path) -> None:
         for p in procs:
             p.join(60)
         assert [p.exitcode for p in procs] == [0] * 8
-        conn = _control_channel(folder)
+        conn, ch = _channel(folder)
         try:
-            assert sorted(t.queue for t in conn.default_channel.get_table("shared")) == [f"q{i}" for i in range(8)]
+            assert sorted(t.queue for t in ch.get_table("shared")) == [f"q{i}" for i in range(8)]
         finally:
             conn.release()
