@@ -102,7 +102,8 @@ def _build_state(settings: Settings, metrics: ServiceMetrics) -> AppState:
         upgrade(url)  # embedded default: the schema still comes only from the migrations
     # No pre-ping (a round trip per request): after a database restart, the first query on a stale
     # connection fails (that request answers 500) and SQLAlchemy then discards the whole stale pool.
-    engine = make_engine(url, pool_pre_ping=False, pool_recycle=1800)
+    engine = make_engine(url, pool_pre_ping=False, pool_recycle=1800, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_pool_overflow, pool_timeout=settings.db_pool_timeout_s)
     read_engine = make_read_engine(engine)
     read_sessions = make_session_factory(read_engine)
     redis_async, redis_sync = None, None

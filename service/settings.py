@@ -121,6 +121,14 @@ class Settings(BaseSettings):
     max_webhooks_per_owner: int = Field(default=20, ge=1, description="Per owner: webhook endpoints.")
     webhook_tests_per_minute: int = Field(default=5, ge=1, description="Per owner: `POST /v1/webhooks/{id}/test` "
                                           "messages queued in any 60 s (past it: 429 with Retry-After).")
+    db_pool_size: int = Field(default=28, ge=1, le=1000, description="Pooled database connections per API "
+                              "process (PostgreSQL and SQLite): as many as the API's request threads (24) and "
+                              "some, so a thread never waits for a connection held by a request that waits "
+                              "for a thread.")
+    db_pool_overflow: int = Field(default=8, ge=0, le=1000, description="Connections past `db_pool_size` opened "
+                                  "under a burst (closed when returned).")
+    db_pool_timeout_s: float = Field(default=30.0, gt=0, le=600, description="How long a request waits for a "
+                                     "pooled connection before it answers 500.")
     read_pool_size: int = Field(default=4, ge=1, description="PostgreSQL only: connections per API process of "
                                 "the async pool that serves job lists on the event loop (service.db.aio); 4 kept up "
                                 "with 100 closed-loop clients (2 or 8 were no faster).")

@@ -169,8 +169,12 @@ def thin_outline(outline: list[tuple[int, float | None]], max_points: int) -> li
 
 
 def _stream_job(job_id: str, session: ReadDB, principal: TokenReader) -> str:
-    load_job(session, principal, job_id)
-    session.close()  # release the connection: a stream may stay open for hours
+    """The stream's job, checked; the session is released on every path (a stream may stay open for hours,
+    and a 404 for a missing or foreign job must not keep the connection either)."""
+    try:
+        load_job(session, principal, job_id)
+    finally:
+        session.close()
     return job_id
 
 

@@ -39,6 +39,9 @@ def make_engine(url: str, **kwargs: Any) -> sa.Engine:
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        if not parsed.database or parsed.database == ":memory:":  # one connection per thread: no queue to size
+            for name in ("pool_size", "max_overflow", "pool_timeout"):
+                kwargs.pop(name, None)
         kwargs.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
         engine = sa.create_engine(url, **kwargs)
         sa.event.listen(engine, "connect", _sqlite_pragmas)
