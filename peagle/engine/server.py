@@ -7,8 +7,11 @@
 The engine runs in vLLM's own interpreter (`peagle.engine.locate.vllm_python`; vLLM pins other library
 versions than the project) as an OpenAI-compatible server on a free loopback port, under `guard.py`,
 which owns its process group and takes it down when the server is stopped, when the process that
-started it dies (even by SIGKILL), or when the engine exits on its own. So no engine process outlives a
-cancelled, paused, crashed or killed job (tests/engine/test_engine_lifecycle.py).
+started it dies (even by SIGKILL), or when the engine exits on its own. Inside the engine, our vLLM
+general plug-in (`vllm_plugins/peagle_tree.py`) ties every process vLLM starts (engine core, workers) to
+its parent, so a SIGKILLed server or guard takes the rest down with it. So no engine process outlives a
+cancelled, paused, crashed or killed job, whichever of its processes dies first
+(tests/engine/test_engine_lifecycle.py, tests/engine/test_engine_tree.py).
 
 Placement: `devices` becomes the engine's `CUDA_VISIBLE_DEVICES` (its share of the job's GPUs; vLLM runs
 `tensor_parallel_size` x `data_parallel_size` workers over them); on a CPU the engine shares the cores
@@ -53,6 +56,8 @@ GRACE_S = 20.0
 SERVED_NAME = "target"
 CONNECTOR = "PeagleHiddenStatesConnector"
 CONNECTOR_MODULE = "peagle_hidden_states"
+#: Our vLLM general plug-in (`vllm_plugins/peagle_tree.py`): vLLM's processes die with their parents.
+TREE_PLUGIN = "peagle_tree"
 
 
 @dataclass(frozen=True)
@@ -208,10 +213,15 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         """The engine's environment (`peagle.engine.environment.vllm_env`: the allowed variables, no secret
-        of the worker, none of this venv's Python settings; our vLLM plug-ins as its only PYTHONPATH)."""
+        of the worker, none of this venv's Python settings; our vLLM plug-ins as its only PYTHONPATH, and
+        `peagle_tree` added to a `VLLM_PLUGINS` allow-list when one is given)."""
         c = self.config
-        return vllm_env(python=self.python, devices=c.devices, offline=Path(c.model).is_dir(),
-                        cpu_kv_cache_gb=c.cpu_kv_cache_gb, pythonpath=[PLUGINS_DIR], extra=dict(c.env))
+        env = vllm_env(python=self.python, devices=c.devices, offline=Path(c.model).is_dir(),
+                       cpu_kv_cache_gb=c.cpu_kv_cache_gb, pythonpath=[PLUGINS_DIR], extra=dict(c.env))
+        allowed = env.get("VLLM_PLUGINS")  # vLLM loads only the plug-ins named there when it is set
+        if allowed is not None and TREE_PLUGIN not in allowed.split(","):
+            env["VLLM_PLUGINS"] = f"{allowed},{TREE_PLUGIN}" if allowed else TREE_PLUGIN
+        return env
 
     # ------------------------------------------------------------------ lifecycle
 
