@@ -273,11 +273,14 @@ def export_cmd(
 def validate_cmd(
     directory: Path = typer.Argument(..., help="Export dir (or a run dir: RUN/export)."),
     as_json: bool = typer.Option(False, "--json", help="Print {ok, violations, not_here, warnings} as JSON."),
-    portable: bool = typer.Option(False, "--portable", help="Only the export's own rules: leave out whether "
-                                  "this machine's vLLM can run it (for an export served elsewhere)."),
+    portable: bool = typer.Option(False, "--portable", help="Only the export's own rules and files: leave out "
+                                  "whether this machine's vLLM can run it, and never read a host path the "
+                                  "export names (for an export served elsewhere, or uploaded)."),
 ) -> None:
     """Check a directory against every rule vLLM enforces for a P-EAGLE draft, and whether this machine's
     vLLM can run it (`peagle.engine.machine`: vLLM's CPU attention takes only some head sizes).
+
+    Any input gets an answer (with `--json`, always one JSON line), in bounded memory: docs/export.md 5.1.
 
     Errors (vLLM refuses the draft or serves it wrongly, or cannot run it here) exit 8; warnings
     (conventions vLLM does not enforce, e.g. fp32 weights) are printed to stderr and exit 0.
@@ -287,7 +290,7 @@ def validate_cmd(
     from peagle.export.rules import validate_export_report
 
     target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
-    report = validate_export_report(target)
+    report = validate_export_report(target, portable=portable)
     bad = report.errors
     not_here = [] if bad or portable else vllm_here_problems(target)  # valid, but this machine's vLLM cannot run it
     if not bad and not not_here:  # with errors stderr keeps its one `error:` line (warnings are in --json)

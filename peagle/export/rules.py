@@ -9,19 +9,31 @@ Two severities (docs/export.md 6 lists every rule and its class):
   vLLM replaces from `transformer_layer_config.model_type`; fp32/fp16 weights and `torch_dtype`, which
   vLLM casts to the serving dtype; `t2d`, which vLLM skips; ...). `validate_export_report(dir)` returns
   both lists; `peagle validate` prints warnings and still exits 0.
+
+An export may be untrusted (an upload: `peagle validate --portable`). Nothing is sized from it before its
+bounds pass (`peagle.export.bounds`: config.json's size, depth, values and every number the rules size
+from; `peagle.export.tensors`: the safetensors header, checked before any tensor data is read), tensor
+data is read in bounded chunks, and `portable=True` never reads a host path the export names. The
+rules of `model.safetensors` live in `peagle.export.weights`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
-
-import torch
-from safetensors import safe_open
+from typing import Any
 
 from peagle.errors import ExportInvalidError
+from peagle.export.bounds import (
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_DEPTH,
+    config_bound_problems,
+    is_int,
+    json_depth,
+    load_json,
+    refused_values,
+)
+from peagle.export.weights import check_weights, is_training_only
 
 __all__ = [
     "EAGLE3_ARCHITECTURES",
@@ -45,14 +57,9 @@ EAGLE3_ARCHITECTURES = (
 )
 # Draft layer model types the vLLM `peagle` config updater accepts.
 _LAYER_MODEL_TYPES = ("llama", "qwen3")
-# Keys of the draft's state dict that exist only for training (never exported).
-_TRAINING_ONLY_PREFIXES = ("verifier_norm.", "verifier_lm_head.", "verifier.")
-_TRAINING_ONLY_SUBSTRINGS = ("rotary_emb.inv_freq",)
 # Flags vLLM's `peagle` updater forwards (and vLLM applies) vs. flags it drops (vLLM serves without them).
 _APPLIED_NORM_FLAGS = ("norm_before_residual", "norm_before_fc")
 _DROPPED_NORM_FLAGS = ("fc_norm", "norm_output")
-_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
-_INT_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 
 
 @dataclass
@@ -74,24 +81,36 @@ _LAYER_REQUIRED = (
 )
 
 
-def is_training_only(key: str) -> bool:
-    """True for state-dict keys that exist only for training (verifier head/norm, rotary buffers)."""
-    return key.startswith(_TRAINING_ONLY_PREFIXES) or any(s in key for s in _TRAINING_ONLY_SUBSTRINGS)
-
-
 def read_export_config(path: str | Path) -> dict[str, Any]:
-    """`config.json` of an export directory as a dict.
+    """`config.json` of an export directory as a dict, read through the bounds of `peagle.export.bounds`
+    (at most `MAX_CONFIG_BYTES`, nested at most `MAX_CONFIG_DEPTH` levels, no NaN / Infinity, over-long
+    integer or repeated key).
 
     Raises:
-        ExportInvalidError: missing or not a JSON object.
+        ExportInvalidError: missing, past a bound (each named by its JSON path) or not a JSON object.
     """
     f = Path(path) / "config.json"
     if not f.is_file():
         raise ExportInvalidError([f"{f}: config.json is missing"])
     try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with f.open("rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)  # never more, whatever the file claims to be
+    except OSError as exc:
+        raise ExportInvalidError([f"{f}: cannot be read ({exc})"]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ExportInvalidError([f"{f}: is over the limit of {MAX_CONFIG_BYTES} bytes (a draft's config.json "
+                                  "is a few KB)"])  # fmt: skip
+    at = json_depth(raw, MAX_CONFIG_DEPTH)
+    if at is not None:
+        raise ExportInvalidError([f"{f}: nested deeper than {MAX_CONFIG_DEPTH} levels at byte {at} (a draft's "
+                                  "config nests 4)"])  # fmt: skip
+    try:
+        data = load_json(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ExportInvalidError([f"{f}: not valid JSON ({exc})"]) from None
+    refused = refused_values(data)
+    if refused:
+        raise ExportInvalidError([f"{f}: {p}" for p in refused])
     if not isinstance(data, dict):
         raise ExportInvalidError([f"{f}: must be a JSON object, got {type(data).__name__}"])
     return data
@@ -107,21 +126,16 @@ def verifier_of(cfg: dict[str, Any]) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def _is_int(x: Any) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _verifier_num_layers(name_or_path: Any) -> int | None:
+    """Layer count of a verifier FOLDER on this machine (never called in portable mode: it reads a host
+    path the export names)."""
     if not isinstance(name_or_path, str):
         return None
-    cfg = Path(name_or_path).expanduser() / "config.json"
-    if not cfg.is_file():
-        return None
     try:
-        n = json.loads(cfg.read_text(encoding="utf-8")).get("num_hidden_layers")
-    except (OSError, json.JSONDecodeError):
+        n = read_export_config(Path(name_or_path).expanduser()).get("num_hidden_layers")
+    except (ExportInvalidError, OSError, RuntimeError):  # RuntimeError: expanduser without a home
         return None
-    return n if _is_int(n) else None
+    return n if is_int(n) else None
 
 
 def _check_speculators_config(cfg: dict[str, Any], r: ExportReport) -> dict[str, Any] | None:
@@ -153,7 +167,7 @@ def _check_speculators_config(cfg: dict[str, Any], r: ExportReport) -> dict[str,
     first = methods[0] if methods and isinstance(methods[0], dict) else None
     if first is not None:
         k = first.get("speculative_tokens")
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             bad.append(
                 "config.json: proposal_methods[0].speculative_tokens must be an int >= 1, got "
                 f"{k!r} (vLLM takes num_speculative_tokens from it; it refuses to load)"
@@ -260,7 +274,7 @@ def _check_layer_config(layer: dict[str, Any], cfg: dict[str, Any], r: ExportRep
             "from `architectures`; peagle has only checked these)"
         )
     for key in _LAYER_REQUIRED:
-        if not (_is_int(layer.get(key)) or (key == "rms_norm_eps" and isinstance(layer.get(key), float))):
+        if not (is_int(layer.get(key)) or (key == "rms_norm_eps" and isinstance(layer.get(key), float))):
             bad.append(
                 f"config.json: {where}{key} is required (vLLM would build the draft from transformers' default "
                 "and the weights would not fit)"
@@ -271,25 +285,25 @@ def _check_layer_config(layer: dict[str, Any], cfg: dict[str, Any], r: ExportRep
             "lm_head.weight"
         )
     v, vd = layer.get("vocab_size"), cfg.get("draft_vocab_size")
-    if vd is None and _is_int(v):
+    if vd is None and is_int(v):
         warn.append(f"config.json: draft_vocab_size is missing (vLLM takes vocab_size {v})")
-    elif not _is_int(vd) or vd < 1:
+    elif not is_int(vd) or vd < 1:
         bad.append(
             f"config.json: draft_vocab_size must be an int >= 1, got {vd!r} (vLLM refuses to build lm_head)"
         )
-    elif _is_int(v) and vd > v:
+    elif is_int(v) and vd > v:
         bad.append(
             f"config.json: draft_vocab_size ({vd}) must be <= {where}vocab_size ({v}) (vLLM scatters draft "
             "logits into the target vocabulary)"
         )
     mask = cfg.get("mask_token_id", cfg.get("pard_token", cfg.get("ptd_token_id")))
-    if mask is not None and (not _is_int(mask) or (_is_int(v) and not 0 <= mask < v)):
+    if mask is not None and (not is_int(mask) or (is_int(v) and not 0 <= mask < v)):
         bad.append(
             f"config.json: mask_token_id must be an int in [0, vocab_size={v}), got {mask!r} (vLLM embeds it in "
             "every parallel-drafting slot)"
         )
     ths, h = cfg.get("target_hidden_size"), layer.get("hidden_size")
-    if ths is not None and not (_is_int(ths) and ths >= 1):
+    if ths is not None and not (is_int(ths) and ths >= 1):
         bad.append(f"config.json: target_hidden_size must be null or an int >= 1, got {ths!r}")
     elif ths is not None and ths != h:
         warn.append(
@@ -298,12 +312,12 @@ def _check_layer_config(layer: dict[str, Any], cfg: dict[str, Any], r: ExportRep
         )
 
 
-def _check_aux_ids(cfg: dict[str, Any], r: ExportReport) -> None:
+def _check_aux_ids(cfg: dict[str, Any], r: ExportReport, portable: bool) -> None:
     bad, warn = r.errors, r.warnings
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         return
-    if not isinstance(ids, list) or len(ids) != 3 or not all(_is_int(i) for i in ids):
+    if not isinstance(ids, list) or len(ids) != 3 or not all(is_int(i) for i in ids):
         bad.append(
             f"config.json: eagle_aux_hidden_state_layer_ids must be 3 ints, got {ids!r} (vLLM feeds fc "
             "3 x hidden_size of captured states)"
@@ -313,6 +327,14 @@ def _check_aux_ids(cfg: dict[str, Any], r: ExportReport) -> None:
         warn.append(
             f"config.json: eagle_aux_hidden_state_layer_ids {ids} repeat a layer (vLLM captures it twice)"
         )
+    if portable:
+        if verifier_of(cfg) is not None:
+            warn.append(
+                "config.json: eagle_aux_hidden_state_layer_ids are not checked against the verifier's layer "
+                "count (--portable never reads a verifier the export names; `peagle validate` where the "
+                "verifier is does)"
+            )
+        return
     n = _verifier_num_layers(verifier_of(cfg))
     if n is None:
         return
@@ -329,226 +351,59 @@ def _check_aux_ids(cfg: dict[str, Any], r: ExportReport) -> None:
         )
 
 
-def _check_weights(f: Path, layer: dict[str, Any], cfg: dict[str, Any], r: ExportReport) -> None:
-    bad, warn = r.errors, r.warnings
-    try:
-        handle = safe_open(str(f), framework="pt")
-    except (OSError, ValueError, RuntimeError) as exc:
-        bad.append(f"model.safetensors: cannot be read ({exc})")
-        return
-    with handle as sf:
-        keys = list(sf.keys())
-        raw = {k.removeprefix("model."): k for k in keys}
-        shapes = {k: list(sf.get_slice(k).get_shape()) for k in keys}
-        dtypes = {k: sf.get_slice(k).get_dtype() for k in keys}
-        prefixed = [k for k in keys if k.startswith("model.")]
-        if prefixed:
-            bad.append(
-                f"model.safetensors: {len(prefixed)} tensor names start with 'model.' (e.g. {prefixed[0]!r}); "
-                "vLLM adds the prefix itself and would look for 'model.model.*' (it refuses to load)"
-            )
-        keys = [k.removeprefix("model.") for k in keys]
-        shapes = {k.removeprefix("model."): s for k, s in shapes.items()}
-        dtypes = {k.removeprefix("model."): d for k, d in dtypes.items()}
-        training = [k for k in keys if is_training_only(k)]
-        if training:
-            bad.append(
-                f"model.safetensors: training-only tensors must not be exported: {sorted(training)} (vLLM has "
-                "no such parameter and refuses to load)"
-            )
-        for k in keys:
-            if k in ("d2t", "t2d") or is_training_only(k):
-                continue
-            if dtypes[k] not in _FLOAT_DTYPES:
-                bad.append(
-                    f"model.safetensors: {k} must be a float tensor, got {dtypes[k]} (vLLM cannot serve it)"
-                )
-        cast = sorted({dtypes[k] for k in keys if dtypes[k] in _FLOAT_DTYPES and dtypes[k] != "BF16"})
-        if cast:
-            n_cast = sum(1 for k in keys if dtypes[k] in cast)
-            warn.append(
-                f"model.safetensors: {n_cast} float tensors are {'/'.join(cast)}, not bfloat16 (vLLM casts them "
-                "to the serving dtype at load; the file is larger than needed)"
-            )
-        h, n_layers = layer.get("hidden_size"), layer.get("num_hidden_layers")
-        v = layer.get("vocab_size")
-        vd = cfg.get("draft_vocab_size", v)
-        t = cfg.get("target_hidden_size") or h
-        if not (_is_int(h) and _is_int(n_layers) and _is_int(v) and _is_int(vd) and _is_int(t)):
-            return  # the config errors already say why
-        _check_shapes(keys, shapes, h, t, n_layers, v, vd, cfg, r)
-        _check_vocab_mapping(lambda name: sf.get_tensor(raw[name]), keys, shapes, dtypes, v, vd, r)
-        for k in keys:
-            if dtypes[k] in _FLOAT_DTYPES:
-                x = sf.get_tensor(raw[k])
-                if not torch.isfinite(x.float()).all():
-                    bad.append(
-                        f"model.safetensors: {k} contains NaN or inf (never loaded/trained?); vLLM would serve "
-                        "garbage drafts"
-                    )
-
-
-def _check_shapes(
-    keys: list[str],
-    shapes: dict[str, list[int]],
-    h: int,
-    t: int,
-    n_layers: int,
-    v: int,
-    vd: int,
-    cfg: dict[str, Any],
-    r: ExportReport,
-) -> None:
-    """Shapes vLLM's weight loader asserts (h: draft hidden size, t: target hidden size, fc takes 3t)."""
-    bad = r.errors
-    refuse = " (vLLM's weight loader refuses a mismatch)"
-
-    def want(
-        key: str, shape: list[int], why: str = "", missing: str = " (vLLM would serve it uninitialised)"
-    ) -> None:
-        if key not in shapes:
-            bad.append(f"model.safetensors: {key} is missing{why}{missing}")
-        elif shapes[key] != shape:
-            bad.append(f"model.safetensors: {key} has shape {shapes[key]}, expected {shape}{why}{refuse}")
-
-    if "mask_hidden" not in shapes:
-        bad.append(
-            "model.safetensors: mask_hidden is missing (vLLM refuses a parallel-drafting draft without it)"
-        )
-    elif shapes["mask_hidden"] not in ([1, 1, 3 * t], [1, 3 * t], [3 * t]):
-        bad.append(
-            f"model.safetensors: mask_hidden has shape {shapes['mask_hidden']}, expected [1, 1, {3 * t}] "
-            f"(3 x target hidden size {t}; vLLM refuses to load)"
-        )
-    want("fc.weight", [h, 3 * t])
-    want("norm.weight", [h])
-    want("lm_head.weight", [vd, h], " (draft_vocab_size x hidden_size)")
-    if "embed_tokens.weight" in shapes or cfg.get("embed_requires_grad", True):
-        want(
-            "embed_tokens.weight",
-            [v, h],
-            " (P-EAGLE trains the embedding; it must be exported)",
-            missing=" (vLLM would serve the draft with the target's embedding instead)",
-        )
-    else:
-        r.warnings.append(
-            "model.safetensors: embed_tokens.weight is absent (vLLM shares the target's; embed_requires_grad is false)"
-        )
-    layer_ids = sorted(
-        {int(k.split(".")[1]) for k in keys if k.startswith("layers.") and k.split(".")[1].isdigit()}
-    )
-    if layer_ids != list(range(n_layers)):
-        bad.append(
-            f"config.json: transformer_layer_config.num_hidden_layers is {n_layers} but the weights hold "
-            f"{len(layer_ids)} layers {layer_ids} (vLLM refuses extra layers and leaves missing ones uninitialised)"
-        )
-    if "layers.0.hidden_norm.weight" not in shapes and n_layers >= 1:
-        bad.append(
-            "model.safetensors: layers.0.hidden_norm.weight is missing (fused EAGLE-3 first layer; vLLM would "
-            "serve it uninitialised)"
-        )
-    q0 = shapes.get("layers.0.self_attn.q_proj.weight")
-    if q0 is not None and q0[1] != 2 * h:
-        bad.append(
-            f"model.safetensors: layers.0.self_attn.q_proj.weight takes {q0[1]} inputs, expected {2 * h} (2H)"
-            f"{refuse}"
-        )
-
-
-def _check_vocab_mapping(
-    get: Any,
-    keys: list[str],
-    shapes: dict[str, list[int]],
-    dtypes: dict[str, str],
-    v: int,
-    vd: int,
-    r: ExportReport,
-) -> None:
-    """`d2t` is what vLLM reads (errors); `t2d` vLLM skips (warnings), it only cross-checks `d2t`."""
-    bad, warn = r.errors, r.warnings
-    has_d2t, has_t2d = "d2t" in keys, "t2d" in keys
-    if vd < v and not has_d2t:
-        bad.append(
-            f"model.safetensors: d2t is missing while draft_vocab_size ({vd}) < vocab_size ({v}); vLLM would use "
-            "an identity mapping and acceptance collapses"
-        )
-    t2d = None
-    if has_t2d:
-        if dtypes["t2d"] != "BOOL":
-            warn.append(f"model.safetensors: t2d is {dtypes['t2d']}, not bool (vLLM skips t2d)")
-        elif shapes["t2d"] != [v]:
-            warn.append(f"model.safetensors: t2d has shape {shapes['t2d']}, not [{v}] (vLLM skips t2d)")
-        else:
-            t2d = get("t2d")
-            if int(t2d.sum()) != vd:
-                warn.append(
-                    f"model.safetensors: t2d selects {int(t2d.sum())} tokens, not draft_vocab_size {vd} "
-                    "(vLLM skips t2d)"
-                )
-                t2d = None
-    if not has_d2t:
-        return
-    if dtypes["d2t"] not in _INT_DTYPES:
-        bad.append(
-            f"model.safetensors: d2t must be int64, got {dtypes['d2t']} (vLLM loads it as integer offsets)"
-        )
-        return
-    if dtypes["d2t"] != "I64":
-        warn.append(f"model.safetensors: d2t is {dtypes['d2t']}, not int64 (vLLM casts it at load)")
-    if shapes["d2t"] != [vd]:
-        bad.append(
-            f"model.safetensors: d2t has shape {shapes['d2t']}, expected [{vd}] (draft_vocab_size; vLLM "
-            "refuses a mismatch)"
-        )
-        return
-    d2t = get("d2t").long()
-    target = torch.arange(vd) + d2t  # [Vd] target id of each draft index
-    if t2d is not None:
-        selected = t2d.nonzero().flatten()  # [Vd]
-        if torch.equal(target, selected):
-            return
-        if torch.equal(d2t, selected):
-            bad.append(
-                "model.safetensors: d2t holds absolute target ids; vLLM expects offsets (target_id - index) and "
-                "would serve drafts of the wrong tokens"
-            )
-            return
-    if bool((target < 0).any()) or bool((target >= v).any()):
-        hint = (
-            " (absolute ids instead of offsets?)" if bool((d2t < v).all()) and bool((d2t >= 0).all()) else ""
-        )
-        bad.append(f"model.safetensors: d2t maps draft ids outside [0, {v}){hint}; vLLM cannot serve it")
-    elif int(target.unique().numel()) != vd:
-        bad.append(
-            "model.safetensors: d2t maps two draft ids to one target id (vLLM would drop one draft logit)"
-        )
-    elif t2d is not None:
-        warn.append(
-            "model.safetensors: d2t and t2d disagree (arange(Vd) + d2t != nonzero(t2d)); vLLM reads only d2t, "
-            "so check that d2t is the mapping the draft was trained with"
-        )
-    elif not bool((target[1:] > target[:-1]).all()):
-        warn.append(
-            "model.safetensors: d2t maps draft ids to target ids out of ascending order (vLLM accepts it)"
-        )
-
-
-def validate_export_report(path: str | Path) -> ExportReport:
+def validate_export_report(path: str | Path, *, portable: bool = False) -> ExportReport:
     """Errors (vLLM refuses / serves wrongly) and warnings (conventions vLLM does not enforce) of an export.
 
     Detects the layout from `config.json`: `speculators_config` present = speculators format, else the
-    plain EAGLE-3 layout.
+    plain EAGLE-3 layout. Any input gives a report (never an exception), in memory bounded by the limits
+    of `peagle.export.bounds` / `peagle.export.tensors`, whatever the export's sizes claim.
+
+    Args:
+        path: the export directory.
+        portable: the export may come from anyone (an upload): read only its own files (no links out of
+            it) and no host path it names (the verifier's folder); the checks that need the verifier's
+            config are skipped with a warning.
     """
-    path = Path(path)
     r = ExportReport()
+    _check_export_dir(Path(path), r, portable)
+    r.errors, r.warnings = _capped(r.errors), _capped(r.warnings)
+    return r
+
+
+# A real report has a few messages of under 400 characters; a hostile export could ask for one message per
+# tensor (16384) or echo a 1 MiB string of its config back, into the API's database.
+_MAX_MESSAGES = 100
+_MAX_MESSAGE_CHARS = 2000
+
+
+def _capped(messages: list[str]) -> list[str]:
+    out = [m if len(m) <= _MAX_MESSAGE_CHARS else f"{m[:_MAX_MESSAGE_CHARS]}... ({len(m)} characters)"
+           for m in messages[:_MAX_MESSAGES]]  # fmt: skip
+    if len(messages) > _MAX_MESSAGES:
+        out.append(f"... and {len(messages) - _MAX_MESSAGES} more")
+    return out
+
+
+def _check_export_dir(path: Path, r: ExportReport, portable: bool) -> None:
+    """`validate_export_report`'s checks, in order; each stage runs only when the one before it leaves
+    nothing unbounded."""
     if not path.is_dir():
         r.errors.append(f"{path}: not a directory")
-        return r
+        return
+    if portable:
+        links = [n for n in ("config.json", "model.safetensors") if (path / n).is_symlink()]
+        if links:
+            r.errors.extend(f"{n}: is a link (--portable reads only the export's own files)" for n in links)
+            return
     try:
         cfg = read_export_config(path)
     except ExportInvalidError as exc:
         r.errors.extend(exc.violations)
-        return r
+        return
+    bounds = config_bound_problems(cfg)
+    if bounds:  # nothing is sized from a config past its bounds
+        r.errors.extend(bounds)
+        return
     if "speculators_config" in cfg or "speculators_model_type" in cfg:
         layer = _check_speculators_config(cfg, r)
         where = "transformer_layer_config."
@@ -556,9 +411,9 @@ def validate_export_report(path: str | Path) -> ExportReport:
         layer = _check_eagle3_config(cfg, r)
         where = ""
     if layer is None:
-        return r
+        return
     _check_layer_config(layer, cfg, r, where)
-    _check_aux_ids(cfg, r)
+    _check_aux_ids(cfg, r, portable)
     dtype = cfg.get("torch_dtype", cfg.get("dtype"))
     if dtype not in (None, "bfloat16"):
         r.warnings.append(
@@ -568,8 +423,7 @@ def validate_export_report(path: str | Path) -> ExportReport:
     if not f.is_file():
         r.errors.append("model.safetensors is missing")
     else:
-        _check_weights(f, layer, cfg, r)
-    return r
+        check_weights(f, layer, cfg, r)
 
 
 def validate_export(path: str | Path) -> list[str]:
