@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.auth import PrincipalCache, authenticate, authorize, check_scope
 from api.target_checks import HubProbe
+from api.uploads import QuotaLedger
 from service.db import repo
 from service.queue import Producer
 from service.settings import Settings
@@ -59,7 +60,7 @@ class AppState:
     sessions: sessionmaker[Session]
     producer: Producer
     metrics: ServiceMetrics
-    validator_slots: asyncio.Semaphore  # dataset validations at once (`api.dataset_checks.run_validator`)
+    validator_slots: asyncio.Semaphore  # sandboxed validations at once, every kind (`api.uploads.run_sandboxed`)
     hub: LiveHub  # live tails of job rows (started by the lifespan before the first request)
     read_sessions: sessionmaker[Session] | None = None  # autocommit sessions for read-only handlers
     read_engine: sa.Engine | None = None  # the same pool in autocommit mode (Core reads, no BEGIN/ROLLBACK)
@@ -70,6 +71,7 @@ class AppState:
     keepalive_s: float = KEEPALIVE_S  # SSE keep-alive interval (tests shorten it)
     vllm_available: bool = False  # the workers can run the vLLM target engine (`Settings.vllm_available`)
     hub_probe: HubProbe = field(default_factory=HubProbe)  # can the workers fetch a hub id (`api.preflight`)
+    quotas: QuotaLedger = field(default_factory=QuotaLedger)  # uploads in flight per owner (`api.uploads`)
 
 
 async def get_state(request: Request) -> AppState:

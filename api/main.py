@@ -148,6 +148,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         resolved = settings or get_settings()
         require_secret_key(resolved)
         state = _build_state(resolved, metrics)
+        from api.uploads import sweep_leftovers
+
+        await to_thread.run_sync(sweep_leftovers, resolved)  # `.partial-*` of an API killed mid-upload
         hub = state.hub
         if state.read_pool is not None:
             await state.read_pool.open()

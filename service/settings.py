@@ -57,19 +57,44 @@ class Settings(BaseSettings):
         "`Content-Length` is 413 before the body is read, a chunked body is cut at it (413).")
     max_concurrent_jobs: int = Field(default=4, ge=1, description="Per owner: running jobs.")
     max_queued_jobs: int = Field(default=100, ge=1, description="Per owner: queued jobs.")
-    max_upload_bytes_per_owner: int = Field(default=10 * 1024**3, ge=1, description="Per owner: total uploads.")
+    max_upload_bytes_per_owner: int = Field(
+        default=10 * 1024**3, ge=1, description="Per owner: bytes on disk of every upload kept, datasets and "
+        "drafts together (a draft counts what it unpacks to). Uploads in flight hold what they have written "
+        "(an archive and what it unpacked so far), so uploads at once stay within it too; past it 429 "
+        "`quota_exceeded`.")
     max_datasets_per_owner: int = Field(
         default=1000, ge=1, description="Per owner: uploaded datasets kept; one more upload is refused with 409 "
         "`dataset_limit_reached` before its body is read.")
     max_dataset_uploads_per_hour: int = Field(
         default=60, ge=1, description="Per owner: dataset uploads in any rolling hour; beyond it 429 "
         "`rate_limited` with `Retry-After` (seconds until the oldest upload of the hour ages out).")
+    max_drafts_per_owner: int = Field(
+        default=100, ge=1, description="Per owner: uploaded drafts kept (invalid ones too, until deleted); one "
+        "more upload is refused with 409 `draft_limit_reached` before its body is read.")
+    max_draft_uploads_per_hour: int = Field(
+        default=20, ge=1, description="Per owner: draft uploads in any rolling hour; beyond it 429 "
+        "`rate_limited` with `Retry-After`, as for datasets.")
     max_dataset_row_bytes: int = Field(
         default=8 * 1024**2, ge=1024, description="Largest single row (JSONL line or array element) of an "
         "uploaded dataset; a dataset with a bigger row is `invalid`, its report naming the line.")
     max_concurrent_validations: int = Field(
-        default=2, ge=1, description="Per API process: dataset validator subprocesses running at once; further "
-        "uploads wait (their request stays open) until one finishes.")
+        default=2, ge=1, description="Per API process: sandboxed validator subprocesses (datasets and drafts "
+        "together) running at once; further uploads wait (their request stays open) until one finishes.")
+    sandbox_memory_bytes: int = Field(
+        default=4 * 1024**3, ge=64 * 1024**2, description="Address space (RLIMIT_AS) of each child that parses "
+        "uploaded bytes (the dataset and draft validators, `peagle.engine.sandbox`); past it the upload is "
+        "refused: \"validation stopped: it exceeded the 4 GiB memory limit\". The draft validator imports torch "
+        "(about 650 MiB) and maps the draft's weights.")
+    sandbox_cpu_seconds: int = Field(
+        default=600, ge=1, description="CPU seconds (RLIMIT_CPU, all threads) of each sandboxed child; past "
+        "it the upload is refused naming the CPU time limit.")
+    sandbox_file_bytes: int = Field(
+        default=64 * 1024**2, ge=1024**2, description="Largest file a sandboxed child may write (RLIMIT_FSIZE; "
+        "the validators write none).")
+    sandbox_wall_seconds: float = Field(
+        default=300.0, gt=0, le=3600, description="Wall-clock limit of each sandboxed child: past it its "
+        "process group is killed and the upload refused naming the limit. Leftover `.partial-*` uploads "
+        "are swept at API start once this much (plus 60 s) older than the start.")
     model_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list, description="Folders whose models API jobs may name as an absolute "
         "`target.model` path (`os.pathsep`-separated, or a JSON list); empty = hub ids and builtins only.")
@@ -136,6 +161,20 @@ class Settings(BaseSettings):
         default="info", description="Log level of the Celery worker and its reaper.")
     port: int = Field(default=8000, ge=1, le=65535, description="`make run`: the port the API and dashboard "
                       "listen on (host 127.0.0.1); `make run` says so and stops when it is taken.")
+    http_header_timeout_s: float = Field(
+        default=20.0, gt=0, le=600, description="The API server (`--http api.timeouts:HttpProtocol`): a request's "
+        "line and headers must arrive within this time of the connection opening (or of the next request's first "
+        "byte on a kept-alive one), else 408 and the connection is closed.")
+    http_body_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="The API server: a request body must arrive within this time of "
+        "its headers, plus 1 s per `http_body_min_bytes_per_s` received (an upload at that rate is never cut), "
+        "else 408 (or a closed connection once an answer has started).")
+    http_body_min_bytes_per_s: int = Field(
+        default=32 * 1024, ge=1, description="The API server: the slowest body rate that is not cut at the body "
+        "timeout (bytes per second, averaged over the body so far).")
+    http_max_connections: int = Field(
+        default=1000, ge=1, description="The API server: open connections per process (SSE streams included); "
+        "one more is answered 503 and closed at its first request head, which the header timeout bounds.")
 
     @field_validator("model_roots", mode="before")
     @classmethod

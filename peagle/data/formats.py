@@ -156,10 +156,10 @@ def _first_char(path: Path) -> str:
 def _lines(fh: Any, cap: int) -> Iterator[tuple[bytes, int]]:
     """(first `cap` + 1 bytes of each line, its full length): an endless line never sits in memory."""
     while raw := fh.readline(cap + 1):
-        size = len(raw)
-        if size > cap:
-            while not raw.endswith(b"\n") and (raw := fh.readline(1 << 20)):
-                size += len(raw)
+        size, tail = len(raw), raw
+        if size > cap:  # skip the rest of the line; yield its head (an over-long last line has no "\n")
+            while not tail.endswith(b"\n") and (tail := fh.readline(1 << 20)):
+                size += len(tail)
         yield raw, size
 
 

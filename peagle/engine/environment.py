@@ -12,6 +12,9 @@ its credentials, `PEAGLE_BROKER_URL`, `PEAGLE_REDIS_URL`, ...) and any name that
 a target can be a gated hub model the trainer downloads). The proxy and CA-bundle variables pass
 (hub downloads behind a proxy).
 
+`sandbox_env` is the environment of a child that parses tenants' bytes (`peagle.engine.sandbox`): far
+smaller than `child_env`, no `PEAGLE_*` variable at all, HOME and TMPDIR its own work folder.
+
 `vllm_env` is the one environment every vLLM process is started with (`peagle.engine.server` and
 `peagle.engine.prober`): `child_env` without this interpreter's Python settings (vLLM runs in its own
 venv), plus vLLM's settings.
@@ -24,7 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["CHILD_PEAGLE_VARS", "child_env", "vllm_env"]
+__all__ = ["CHILD_PEAGLE_VARS", "SANDBOX_VARS", "child_env", "sandbox_env", "vllm_env"]
 
 #: The non-secret `PEAGLE_*` settings a child reads: the CPU GEMM choice (`peagle.model.cpu_kernels`),
 #: vLLM's interpreter (`peagle.engine.locate`), the builtin cache (`peagle.builtin`), the owner's
@@ -86,6 +89,31 @@ def child_env(*, extra: Mapping[str, str] | None = None, base: Mapping[str, str]
     src = os.environ if base is None else base
     env = {k: v for k, v in src.items() if _allowed(k)}
     env.update(extra or {})
+    return env
+
+
+#: What a sandboxed child gets of its parent's environment (`sandbox_env`): the program search path, the
+#: locale, and what this interpreter needs to import the project (its venv, an explicit PYTHONPATH).
+SANDBOX_VARS: tuple[str, ...] = ("PATH", "LANG", "LANGUAGE", "TZ", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH")
+
+#: Set in every sandboxed child: no cwd on the import path (a tenant's `json.py` next to the file it
+#: checks is never imported), no user site, no bytecode written, one thread per numeric library, no hub.
+_SANDBOX_SET = {
+    "PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
+    "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
+    "TQDM_DISABLE": "1",
+}  # fmt: skip
+
+
+def sandbox_env(home: Path, *, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of a sandboxed child (`peagle.engine.sandbox.run`): `SANDBOX_VARS` of `base`
+    (None = `os.environ`) and `LC_*`, minus anything that looks like a credential, plus HOME and TMPDIR =
+    `home` and the fixed Python switches above. Nothing named `PEAGLE_*` passes, secret or not."""
+    src = os.environ if base is None else base
+    env = {k: v for k, v in src.items()
+           if (k in SANDBOX_VARS or k.startswith("LC_")) and not _DENIED.search(k.upper())}  # fmt: skip
+    env.update(_SANDBOX_SET, HOME=str(home), TMPDIR=str(home))
     return env
 
 

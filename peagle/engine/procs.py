@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["group_alive", "signal_group", "spawn", "stop_group"]
+__all__ = ["child_hook", "group_alive", "signal_group", "spawn", "stop_group"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -52,6 +52,23 @@ def _die_with_parent(parent: int, sig: int) -> Callable[[], None]:
     return hook
 
 
+def child_hook(
+    *, die_with_parent: bool = True, death_signal: int = signal.SIGKILL, then: Callable[[], None] | None = None
+) -> Callable[[], None] | None:
+    """The `preexec_fn` of a child this process owns: the parent-death request (Linux, `die_with_parent`),
+    then `then` (e.g. `peagle.engine.sandbox`'s resource limits). None when there is nothing to run. Also
+    for a child that asyncio starts (`start_new_session=True` with it keeps `spawn`'s conventions)."""
+    death = _die_with_parent(os.getpid(), death_signal) if die_with_parent and sys.platform == "linux" else None
+    if death is None or then is None:
+        return death or then
+
+    def hook() -> None:
+        death()
+        then()
+
+    return hook
+
+
 def spawn(
     cmd: Sequence[str | os.PathLike[str]],
     *,
@@ -62,6 +79,7 @@ def spawn(
     die_with_parent: bool = True,
     death_signal: int = signal.SIGKILL,
     new_session: bool = True,
+    preexec: Callable[[], None] | None = None,
     **popen_kw: Any,
 ) -> subprocess.Popen[Any]:
     """Start `cmd` as a child this process owns (module docstring).
@@ -77,6 +95,8 @@ def spawn(
         death_signal: the parent-death signal (SIGKILL; the worker's reaper takes SIGTERM to stop cleanly).
         new_session: start a new session (pgid == pid). False keeps the child in our group (the reaper,
             which the terminal's Ctrl-C should reach like its worker).
+        preexec: run in the child after the parent-death request, before the exec (resource limits:
+            `peagle.engine.sandbox.limits_hook`). Look up what it calls in the parent, not in the child.
         **popen_kw: the rest of `subprocess.Popen`'s keywords (`stdin`, `text`, `bufsize`, `pass_fds`, ...).
             `stdin` defaults to `subprocess.DEVNULL`.
 
@@ -86,7 +106,7 @@ def spawn(
     if "preexec_fn" in popen_kw or "start_new_session" in popen_kw:
         raise TypeError("spawn owns preexec_fn and start_new_session (use die_with_parent / new_session)")
     popen_kw.setdefault("stdin", subprocess.DEVNULL)
-    hook = _die_with_parent(os.getpid(), death_signal) if die_with_parent and sys.platform == "linux" else None
+    hook = child_hook(die_with_parent=die_with_parent, death_signal=death_signal, then=preexec)
     return subprocess.Popen(
         [os.fspath(c) for c in cmd], env=dict(env), cwd=cwd, stdout=stdout, stderr=stderr,
         start_new_session=new_session, preexec_fn=hook, **popen_kw,

@@ -197,3 +197,16 @@ def test_validate_cli_is_torch_free(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows_kept"] == 1
+
+
+def test_an_over_long_last_line_without_a_newline_is_counted_not_lost(tmp_path):
+    """The last line of a file, over the row limit and with no newline after it, was silently dropped (not
+    read, not counted, not refused): a dataset with a hidden over-long row read as `ok`."""
+    big = {"conversations": [{"from": "human", "value": "z" * 500}, {"from": "gpt", "value": "a"}]}
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b"\n".join(json.dumps(r).encode() for r in [GOOD, GOOD, big]))  # no final newline
+    rep = IngestReport()
+    assert len(list(iter_rows(p, "auto", rep, limits=Limits(max_row_bytes=200)))) == 2
+    assert rep.skipped_by_reason == {"row_too_large": 1} and rep.bad_rows[0]["line"] == 3
+    report = validate_dataset(p, max_row_bytes=200)
+    assert report["ok"] is False and "line 3" in report["error"], report

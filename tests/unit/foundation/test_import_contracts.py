@@ -52,14 +52,21 @@ def test_peagle_never_imports_the_service() -> None:
 
 
 def test_api_imports_only_the_spec_from_peagle() -> None:
-    allowed = {"peagle", "peagle.spec", "peagle.errors", "peagle.fileio"}
+    # peagle.engine: only its stdlib-only process owner's sandbox (every parser of tenant bytes runs as its child)
+    allowed = {"peagle", "peagle.spec", "peagle.errors", "peagle.fileio", "peagle.engine", "peagle.engine.sandbox"}
     for path in (ROOT / "api").rglob("*.py"):
         for name in _imports(path):
             root = name.split(".")[0]
             assert root not in ("torch", "transformers", "worker"), f"{path.relative_to(ROOT)} imports {name}"
             if root == "peagle":
                 ok = name in allowed or name.startswith("peagle.spec.")  # the spec package is torch-free
-                assert ok, f"{path.relative_to(ROOT)} imports {name} (only peagle.spec[.*], peagle.errors and peagle.fileio allowed)"
+                assert ok, f"{path.relative_to(ROOT)} imports {name} (only peagle.spec[.*], peagle.errors, peagle.fileio and peagle.engine.sandbox allowed)"
+
+
+def test_the_sandbox_the_api_imports_is_stdlib_only() -> None:
+    loaded = _fresh("import sys, peagle.engine.sandbox; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                    "('torch', 'transformers', 'numpy', 'fastapi', 'sqlalchemy', 'celery')))")
+    assert loaded == "[]", loaded
 
 
 def test_import_linter_contracts_pass() -> None:

@@ -1,0 +1,136 @@
+"""Hostile-archive rules for uploaded draft exports (`unpack_export`), used by the one upload path (`api.uploads`).
+
+An uploaded archive is unpacked file by file by rules an attacker's archive cannot get past: regular files and
+folders only (no link of any kind, no device, no fifo), relative names without `..` and at most 4 deep, at
+most `MAX_ENTRIES` entries, the same name once, at most the limit in unpacked bytes (counted as they are
+written, whatever a header declares), and each file reserved against the owner's quota before it is written.
+Standard library only (tarfile, zipfile); it runs in the API process, in a threadpool thread.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+import tarfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+__all__ = ["MAX_ENTRIES", "ArchiveRefused", "unpack_export"]
+
+#: Entries (files and folders) an uploaded archive may hold: an export is two files.
+MAX_ENTRIES = 64
+_CHUNK = 1 << 20
+
+
+class ArchiveRefused(Exception):
+    """Why an uploaded archive is not unpacked (its message is the draft's `error`)."""
+
+
+def _entries_tar(path: Path) -> Iterator[tuple[str, str, int, Callable[[], IO[bytes] | None]]]:
+    with tarfile.open(path, "r:*") as tar:
+        for m in tar:
+            kind = "dir" if m.isdir() else "file" if m.isreg() else \
+                "link" if m.issym() or m.islnk() else "device" if m.isdev() else "other"
+            yield m.name, kind, int(m.size), lambda m=m: tar.extractfile(m)  # type: ignore[misc]
+
+
+def _entries_zip(path: Path) -> Iterator[tuple[str, str, int, Callable[[], IO[bytes] | None]]]:
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            mode = info.external_attr >> 16  # unix mode of zips made on unix; no file type bits elsewhere
+            if info.is_dir():
+                kind = "dir"
+            elif stat.S_ISLNK(mode):
+                kind = "link"
+            elif stat.S_IFMT(mode) in (0, stat.S_IFREG):
+                kind = "file"
+            else:
+                kind = "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "other"
+            yield info.filename, kind, int(info.file_size), lambda info=info: zf.open(info)  # type: ignore[misc]
+
+
+def _safe_parts(name: str) -> tuple[str, ...]:
+    """The path parts of an archive member's name, refusing what could land outside the folder."""
+    if "\\" in name or "\x00" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        raise ArchiveRefused(f"{name!r}: only relative paths (no absolute path, drive or backslash)")
+    parts = tuple(p for p in PurePosixPath(name).parts if p not in ("", "."))
+    if any(p == ".." for p in parts):
+        raise ArchiveRefused(f"{name!r}: a path with '..' (outside the archive's folder)")
+    if len(parts) > 4:
+        raise ArchiveRefused(f"{name!r}: nested too deep (an export folder is config.json + model.safetensors)")
+    return parts
+
+
+def unpack_export(archive: Path, dest: Path, *, limit: int, reserve: Callable[[int], None] | None = None,
+                  release: Callable[[int], None] | None = None) -> Path:
+    """Unpack `archive` (tar, tar.gz/bz2/xz, zip) into `dest` (module docstring's rules) and return the
+    export folder in it: `dest` itself, or the archive's one top folder, holding config.json.
+
+    Args:
+        limit: the most bytes it may unpack to, in total.
+        reserve: called with a file's declared size before it is written, and with each chunk past it (a
+            header that understated it): the owner's quota, which raises `QuotaExceeded` to stop (it passes
+            through). A whole file at once, so uploads unpacking at the same time do not each get part of
+            what is left and all fail.
+        release: called with what a file's header declared and it did not hold.
+
+    Raises:
+        ArchiveRefused: not an archive, a link / device / fifo, a path out of `dest`, too many entries, more
+            than `limit` unpacked bytes, a name twice, or no config.json + model.safetensors.
+    """
+    if zipfile.is_zipfile(archive):
+        entries = _entries_zip(archive)
+    elif tarfile.is_tarfile(archive):
+        entries = _entries_tar(archive)
+    else:
+        raise ArchiveRefused("not a tar or zip archive (upload a tar, tar.gz or zip of the export folder)")
+    dest.mkdir(parents=True, exist_ok=True)
+    written, seen = 0, set[tuple[str, ...]]()
+    try:
+        for count, (name, kind, size, open_) in enumerate(entries, start=1):
+            if count > MAX_ENTRIES:
+                raise ArchiveRefused(f"more than {MAX_ENTRIES} entries (an export folder is two files)")
+            if kind not in ("file", "dir"):
+                raise ArchiveRefused(f"{name!r} is a {kind}: only regular files and folders are accepted")
+            parts = _safe_parts(name)
+            if not parts:
+                continue
+            if parts in seen:
+                raise ArchiveRefused(f"{name!r} appears twice")
+            seen.add(parts)
+            target = dest.joinpath(*parts)
+            if kind == "dir":
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            if written + size > limit:
+                raise ArchiveRefused(f"unpacks to more than the limit of {limit} bytes")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = open_()
+            if src is None:
+                raise ArchiveRefused(f"{name!r} cannot be read")
+            if reserve is not None:
+                reserve(size)
+            held = size
+            with src, target.open("xb") as out:  # "x": never through a name that exists (or a link to it)
+                while chunk := src.read(_CHUNK):
+                    written += len(chunk)
+                    if written > limit:  # a header that understated the size
+                        raise ArchiveRefused(f"unpacks to more than the limit of {limit} bytes")
+                    held -= len(chunk)
+                    if held < 0 and reserve is not None:
+                        reserve(-held)
+                        held = 0
+                    out.write(chunk)
+            if held > 0 and release is not None:
+                release(held)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, ValueError, RuntimeError) as exc:
+        raise ArchiveRefused(f"the archive cannot be read: {exc}") from None
+    top = {p[0] for p in seen}
+    folder = dest if (dest / "config.json").is_file() else dest / next(iter(top)) if len(top) == 1 else dest
+    missing = [f for f in ("config.json", "model.safetensors") if not (folder / f).is_file()]
+    if missing:
+        raise ArchiveRefused(f"no {' and no '.join(missing)} at the archive's root or in its one top folder "
+                             "(not a speculators-format export folder)")
+    return folder
