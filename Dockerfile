@@ -35,4 +35,5 @@ RUN groupadd --system --gid 10001 peagle \
 ENV PEAGLE_HOME=/data
 USER peagle
 EXPOSE 8000
-CMD ["uvicorn", "--factory", "api.main:create_app", "--host", "0.0.0.0", "--port", "8000"]
+# --http: header and body timeouts and a connection cap (api/timeouts.py, PEAGLE_HTTP_* settings)
+CMD ["uvicorn", "--factory", "api.main:create_app", "--host", "0.0.0.0", "--port", "8000", "--http", "api.timeouts:HttpProtocol"]

@@ -54,6 +54,10 @@ def access_problems(spec: TrainSpec, model_roots: Sequence[Path]) -> list[dict[s
         problems.append({"param": "/target/model", "message": "target.model must be a builtin "
                          f"({', '.join(BUILTIN_TARGETS)}), a hub id ('org/name'), or a folder under the "
                          "server's allowed model roots"})
+    named = spec.target.name_or_path
+    if named is not None and not model_allowed(named, model_roots):  # the export and the worker read it
+        problems.append({"param": "/target/name_or_path", "message": "target.name_or_path must be a builtin, a "
+                         "hub id ('org/name'), or a folder under the server's allowed model roots"})
     for i, src in enumerate(spec.data.sources):
         if dataset_id(src.path) is None and src.path not in BUILTIN_DATA:
             problems.append({"param": f"/data/sources/{i}/path", "message": "data source must be an uploaded "

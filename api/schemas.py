@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, field_validator
+from pydantic.json_schema import JsonSchemaValue
 
-from peagle.spec import preset_names
+from peagle.spec import TrainSpec, preset_names
 from peagle.spec.init_from import parse_init_from
+from peagle.spec.schema import queue_problem
 from service.db import states
 
 __all__ = [
@@ -27,12 +31,17 @@ __all__ = [
     "JobParent",
     "JobSummary",
     "Page",
+    "SpecSchema",
     "job_parent",
     "job_public",
+    "public_record",
+    "worker_label",
 ]
 
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+#: An RFC 3339 date-time (JSON schema's `format: date-time`); pydantic checks the values (month 13, Feb 30).
+_RFC3339 = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})")
 
 
 class _Out(BaseModel):
@@ -81,24 +90,66 @@ _SPEC_XOR_PRESET: dict[str, Any] = {"oneOf": [
 ]}
 
 
+class SpecSchema:
+    """The documented schema of a spec body the handler validates itself (`peagle.spec.parse_spec`, every
+    problem at once): `model`'s own (`TrainSpec`, its sections in the components), or with `partial` the
+    shape of an `overrides` object, which deep-merges into a spec: every field optional at every level,
+    unknown keys refused, and a list whole (it replaces the list it meets).
+
+        spec: Annotated[dict[str, Any], SpecSchema()] | None
+    """
+
+    def __init__(self, model: type[BaseModel] = TrainSpec, *, partial: bool = False) -> None:
+        self.model, self.partial = model, partial
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        own = handler(self.model.__pydantic_core_schema__)
+        return _partial(own, handler, depth=0) if self.partial else own
+
+
+def _partial(node: JsonSchemaValue, handler: GetJsonSchemaHandler, *, depth: int) -> JsonSchemaValue:
+    target = handler.resolve_ref_schema(node) if "$ref" in node else node
+    if depth > 8:  # the spec is a few sections deep; nothing recurses
+        return node
+    if target.get("type") == "object" and "properties" in target:
+        return {"type": "object", "additionalProperties": False, **_described(target),
+                "properties": {k: _partial(v, handler, depth=depth + 1) for k, v in target["properties"].items()}}
+    if "anyOf" in target:  # an optional section (`resources.engine`): either alternative, partial
+        return {**_described(target), "anyOf": [_partial(x, handler, depth=depth + 1) for x in target["anyOf"]]}
+    return node
+
+
+def _described(node: JsonSchemaValue) -> JsonSchemaValue:
+    return {k: node[k] for k in ("title", "description") if k in node}
+
+
 class JobCreate(BaseModel):
     """`{"spec": TrainSpec}` or `{"preset": name, "overrides": {...}}` (overrides deep-merge into it)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_SPEC_XOR_PRESET)
 
-    spec: dict[str, Any] | None = Field(
+    spec: Annotated[dict[str, Any], SpecSchema()] | None = Field(
         default=None, description="A full TrainSpec (schema: GET /v1/spec/schema). Exclusive with preset."
     )
     preset: str | None = Field(default=None, max_length=64, description="Preset name (GET /v1/presets).",
                                json_schema_extra=lambda schema: _enum(schema, [*preset_names(), None]))
-    overrides: dict[str, Any] | None = Field(
+    overrides: Annotated[dict[str, Any], SpecSchema(partial=True)] | None = Field(
         default=None, description="Deep-merged into the preset's spec, e.g. {\"optim\": {\"lr\": 0.001}}."
     )
     name: str | None = Field(default=None, max_length=200, description="Job name (default: spec.name).")
     tags: list[Tag] | None = Field(default=None, max_length=32, description="Tags (default: spec.tags).")
     queue: str | None = Field(
-        default=None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Worker queue (GPU kind)."
+        default=None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="Worker queue (GPU kind); not an "
+        "engine queue (`engine-...`) nor one the broker keeps (`celery`, ...)."
     )
+
+    @field_validator("queue")
+    @classmethod
+    def _job_queue(cls, value: str | None) -> str | None:
+        why = queue_problem(value) if value is not None else None
+        if why is not None:
+            raise ValueError(why)
+        return value
 
 
 class CloneRequest(BaseModel):
@@ -106,7 +157,8 @@ class CloneRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    overrides: dict[str, Any] | None = Field(default=None, description="Deep-merged into the cloned spec.")
+    overrides: Annotated[dict[str, Any], SpecSchema(partial=True)] | None = Field(
+        default=None, description="Deep-merged into the cloned spec.")
     name: str | None = Field(default=None, max_length=200)
     tags: list[Tag] | None = Field(default=None, max_length=32)
 
@@ -190,6 +242,96 @@ class JobOut(JobSummary):
                                        "takes it).")
 
 
+def worker_label(name: str | None) -> str | None:
+    """A stable label of a worker or host that names no host or pid (operators find the name in the worker
+    logs): `w-` and 8 hex digits of its sha256."""
+    return None if not name else "w-" + hashlib.sha256(name.encode()).hexdigest()[:8]
+
+
+#: Keys of stored records (provenance, hardware) that name the machine: its host (shown as `worker_label`),
+#: a process id (dropped), the kernel build (dropped; `platform` keeps the OS and architecture only).
+_HOST_KEYS = frozenset({"host", "hostname", "node", "nodename", "node_name"})
+_PID_KEYS = frozenset({"pid", "ppid", "pgid", "sid", "tid"})
+_KERNEL_KEYS = frozenset({"kernel", "kernel_version", "kernel_release", "release", "uname", "os_release"})
+#: `platform.machine()` values, as `platform.platform()` writes them among its dash-separated parts.
+_MACHINES = ("x86_64", "aarch64", "arm64", "amd64", "i686", "i386", "ppc64le", "s390x", "riscv64")
+
+
+def _split_platform(platform: str) -> tuple[str, str | None, str]:
+    """`platform.platform()` as (OS, architecture or None, kernel release or ""):
+    `Linux-5.15.0-1051-aws-x86_64-with-glibc2.35` -> (`Linux`, `x86_64`, `5.15.0-1051-aws`)."""
+    parts = platform.split("-")
+    at = next((i for i, p in enumerate(parts) if i > 0 and p.lower() in _MACHINES), None)
+    release = "-".join(parts[1:at] if at is not None else parts[1:2])
+    return parts[0], parts[at] if at is not None else None, release
+
+
+def _os_of(platform: str) -> str:
+    """`platform.platform()` without the kernel build: `Linux x86_64` (the OS, and the architecture)."""
+    system, machine, _ = _split_platform(platform)
+    return f"{system} {machine}" if machine else system
+
+
+def public_record(value: Any) -> Any:
+    """A stored JSON record (a job's provenance, an event's data) as its owner may read it: host names become
+    their `worker_label` (also where the name appears in the record's other strings), process ids and kernel
+    strings are dropped, `platform` keeps the OS and architecture. Pure: the input is not changed.
+
+        public_record({"host": "gpu7", "pid": 12, "platform": "Linux-6.8.0-45-generic-x86_64-with-glibc2.39"})
+        # -> {"host": "w-<8 hex>", "platform": "Linux x86_64"}
+    """
+    seen: dict[str, str] = {}  # a machine string found under its key -> what it reads as elsewhere
+
+    def collect(v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                key = str(k).lower()
+                if isinstance(x, str) and x:
+                    if key in _HOST_KEYS:
+                        seen[x] = label = worker_label(x) or ""
+                        short = x.split(".")[0]
+                        if any(c.isalpha() for c in short):  # an FQDN's short name (not an IP's first number)
+                            seen.setdefault(short, label)
+                    elif key in _KERNEL_KEYS:
+                        seen[x] = "<kernel>"
+                    elif key == "platform":
+                        seen[x] = _os_of(x)
+                        release = _split_platform(x)[2]
+                        if "-" in release:  # a kernel build (`6.8.0-45-generic`), never a package's version
+                            seen[release] = "<kernel>"
+                collect(x)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                collect(x)
+
+    collect(value)
+    names = sorted((n for n in seen if len(n) > 2), key=len, reverse=True)  # an FQDN before its short name
+    found = re.compile("|".join(rf"(?<![A-Za-z0-9_.-]){re.escape(n)}(?![A-Za-z0-9_-])" for n in names)) if names \
+        else None
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            out = {}
+            for k, x in v.items():
+                key = str(k).lower()
+                if key in _PID_KEYS or key in _KERNEL_KEYS:
+                    continue
+                if key in _HOST_KEYS and isinstance(x, str):
+                    out[k] = worker_label(x)
+                elif key == "platform" and isinstance(x, str):
+                    out[k] = _os_of(x)
+                else:
+                    out[k] = clean(x)
+            return out
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        if isinstance(v, str) and found is not None:
+            return found.sub(lambda m: seen[m.group(0)], v)
+        return v
+
+    return clean(value)
+
+
 def job_public(job: Any, *, full: bool = True, queue_position: int | None = None) -> dict[str, Any]:
     """The one builder of a job's public shape: `JobOut` (`full`), else `JobSummary` (a list row).
 
@@ -215,7 +357,7 @@ def job_public(job: Any, *, full: bool = True, queue_position: int | None = None
         base = f"/v1/jobs/{job_id}/checkpoints/"
         out.update(
             max_restarts=g("max_restarts"), spec=g("spec"), resolved_spec=g("resolved_spec"),
-            provenance=g("provenance"), parent=job_parent(g("spec")),
+            provenance=public_record(g("provenance")), parent=job_parent(g("spec")),
             best_checkpoint=None if best is None else {"step": best, "url": f"{base}{best}"},
             latest_checkpoint=None if latest is None else {"step": latest, "url": f"{base}{latest}"},
             event_seq=g("event_seq"), metric_seq=g("metric_seq"), log_seq=g("log_seq"),
@@ -250,9 +392,21 @@ class JobListParams(BaseModel):
     status: list[Annotated[str, Field(json_schema_extra={"enum": list(states.ALL_STATES)})]] | None = Field(
         default=None, description="Filter by status (repeatable); an unknown status (also an empty one) is 422.")
     tag: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_.:/-]+$")
-    created_after: datetime | None = None
+    created_after: datetime | None = Field(default=None, description="Jobs created after this RFC 3339 "
+                                           "date-time (`2024-05-01T00:00:00Z`: seconds and offset included).")
     q: str | None = Field(default=None, max_length=200, pattern=r"^[^\x00]*$",
                           description="Substring of the job name.")
+
+    @field_validator("created_after", mode="before")
+    @classmethod
+    def _rfc3339(cls, value: Any) -> Any:
+        """Only what `format: date-time` says (RFC 3339), not pydantic's wider reading (`0.5` or `1700000000`
+        as Unix times, a bare date, a time without seconds or offset)."""
+        if value is None or isinstance(value, datetime):
+            return value
+        if not isinstance(value, str) or not _RFC3339.fullmatch(value):
+            raise ValueError("must be an RFC 3339 date-time such as 2024-05-01T00:00:00Z (seconds and offset)")
+        return value
 
 
 class EventOut(_Out):

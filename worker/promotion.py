@@ -33,6 +33,7 @@ from peagle.errors import PeagleError
 from peagle.fileio import read_json
 from peagle.spec import SpecInvalidError, parse_spec
 from service.db import promotion
+from service.db.init_from import init_source
 from service.db.models import Job, PromotionDecision
 from service.db.session import session_scope
 from service.settings import Settings
@@ -42,15 +43,20 @@ __all__ = ["LapsedDecisions", "after_success", "checkpoint_dir", "resume_lapsed"
 log = logging.getLogger(__name__)
 
 
-def checkpoint_dir(settings: Settings, job: Job, step: int | None) -> Path | None:
-    """The folder of `job`'s checkpoint `step` (its best one when None); None when it has none."""
+def checkpoint_dir(session: Session, settings: Settings, job: Job, step: int | None) -> Path | None:
+    """The folder of `job`'s complete checkpoint `step` (its best one when None) still on disk; None when
+    there is none (no best checkpoint, a step that never existed, an interrupted save, one retention deleted)."""
+    return _checkpoint(session, settings, job, step)[0]
+
+
+def _checkpoint(session: Session, settings: Settings, job: Job, step: int | None) -> tuple[Path | None, str]:
+    """(`checkpoint_dir`, why it is None): the lookup a warm start makes (`service.db.init_from`)."""
     step = step if step is not None else job.best_checkpoint_step
     if step is None:
-        return None
-    root = settings.resolved_artifact_root()
-    run = Path(job.artifact_dir) if job.artifact_dir else root / job.id
-    run = run if run.is_absolute() else root / run
-    return run / "checkpoints" / f"step_{step:06d}"
+        return None, f"job {job.id} has no best checkpoint"
+    found = init_source(session, int(job.owner_id), f"job:{job.id}@step_{step}",
+                        artifact_root=settings.resolved_artifact_root())
+    return found.export_dir, found.problem or ""
 
 
 def _parent_step(spec: dict[str, Any]) -> int | None:
@@ -147,20 +153,21 @@ def _compare_and_decide(settings: Settings, factory: sessionmaker[Session], job_
         owner_id, target, sizes = link.owner_id, link.target, [int(b) for b in link.batch_sizes or [1]]
         current = next(iter(promotion.current_drafts(s, owner_id, target=target)), None)
         parent = s.get(Job, link.parent_job_id)
-        drafts: dict[str, tuple[str, Path | None]] = {"child": (job_id, checkpoint_dir(settings, child, None))}
+        found = {"child": (job_id, *_checkpoint(s, settings, child, None))}
         if current is not None and current.job_id != job_id:
             cur_job = s.get(Job, current.job_id)
-            drafts["current"] = (current.job_id, checkpoint_dir(settings, cur_job, current.checkpoint_step)
-                                 if cur_job is not None else None)
+            found["current"] = ((current.job_id, *_checkpoint(s, settings, cur_job, current.checkpoint_step))
+                                if cur_job is not None else (current.job_id, None, f"job {current.job_id} is gone"))
         if parent is not None and (current is None or current.job_id != parent.id):
-            drafts["parent"] = (parent.id, checkpoint_dir(settings, parent, _parent_step(child.spec)))
+            found["parent"] = (parent.id, *_checkpoint(s, settings, parent, _parent_step(child.spec)))
+        drafts: dict[str, tuple[str, Path | None]] = {name: (jid, d) for name, (jid, d, _) in found.items()}
         baseline = "current" if "current" in drafts else "parent"
         child_step, child_spec = child.best_checkpoint_step, dict(child.spec)
         child_ckpt = drafts["child"][1]
     compared_with = drafts[baseline][0] if baseline in drafts else None
     exports = {name: d for name, (_, d) in drafts.items() if d is not None}
     numbers: dict[str, Any] = {"jobs": {name: jid for name, (jid, _) in drafts.items()}, "baseline": baseline}
-    missing = [f"{name} ({jid}): no checkpoint" for name, (jid, d) in drafts.items() if d is None]
+    missing = [f"{name} ({jid}): no checkpoint ({why})" for name, (jid, d, why) in found.items() if d is None]
     problems = missing or comparison_problems(exports)
     if problems:
         verdict: dict[str, Any] = {"decision": "not_measured", "reason": "not measured: " + "; ".join(problems)}

@@ -165,8 +165,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     services = Services(logs)
     try:
+        # `--http api.timeouts:HttpProtocol`: header and body timeouts and a connection cap (PEAGLE_HTTP_*)
         services.start("api", ["-m", "uvicorn", "--factory", "api.main:create_app", "--host", HOST,
-                               "--port", str(port), "--log-level", "warning"])
+                               "--port", str(port), "--http", "api.timeouts:HttpProtocol", "--log-level", "warning"])
         services.start("worker", WORKER_ARGV)  # starts its reaper beside it
         if not _wait_ready(services, port, stop):
             name = services.dead() or "api"

@@ -20,9 +20,10 @@ from api.deps import DB, ReadDB, Reader, State, Writer, releases_db
 from api.errors import ApiError, spec_error
 from api.openapi import AUTH, error_responses
 from api.routes.jobs import _preflight, deep_merge, load_job, submit
-from api.schemas import JobOut, Tag, job_public
-from peagle.spec import DATASET_PREFIX, SpecInvalidError, parse_spec
+from api.schemas import JobOut, SpecSchema, Tag, job_public
+from peagle.spec import DATASET_PREFIX, DataSource, SpecInvalidError, parse_spec
 from service.db import promotion, states
+from service.db.init_from import init_source
 
 router = APIRouter(tags=["promotion"])
 
@@ -33,21 +34,27 @@ TargetQuery = Annotated[str | None, Query(min_length=1, max_length=512, pattern=
                                           description="The spec's `target.model`.")]
 
 
+#: `RetrainRequest`'s rule, stated in its schema (`retrain_job` enforces it with its message): new data,
+#: at least one uploaded dataset or one source.
+_NEW_DATA: dict[str, Any] = {"anyOf": [{"required": ["datasets"], "properties": {"datasets": {"minItems": 1}}},
+                                       {"required": ["sources"], "properties": {"sources": {"minItems": 1}}}]}
+
+
 class RetrainRequest(BaseModel):
     """New data for `POST /v1/jobs/{id}/retrain` (uploaded datasets and/or sources) and optional changes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_NEW_DATA)
 
     datasets: list[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_]+$")]] = Field(
         default_factory=list, max_length=64, description="Uploaded dataset ids (`POST /v1/datasets`): each becomes "
         "a `dataset:<id>` source.")
-    sources: list[dict[str, Any]] = Field(
+    sources: list[Annotated[dict[str, Any], SpecSchema(DataSource)]] = Field(
         default_factory=list, max_length=64,
         description="Further `data.sources` entries (as in a spec: `path`, `format`, `max_samples`, `skip`).")
     checkpoint_step: int | None = Field(
         default=None, ge=0, le=10**9, description="Warm-start from this checkpoint step of the parent (default: its "
         "best checkpoint).")
-    overrides: dict[str, Any] | None = Field(
+    overrides: Annotated[dict[str, Any], SpecSchema(partial=True)] | None = Field(
         default=None, description="Deep-merged into the parent's spec, e.g. `{\"optim\": {\"max_steps\": 200}}`.")
     promotion_batch_sizes: list[BatchSize] = Field(
         default_factory=lambda: [1], min_length=1, max_length=8,
@@ -64,7 +71,8 @@ class PromoteRequest(BaseModel):
 
     job_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_]+$")
     checkpoint_step: int | None = Field(default=None, ge=0, le=10**9,
-                                        description="Default: the job's best checkpoint.")
+                                        description="Default: the job's best checkpoint. A complete checkpoint "
+                                        "of the job still on disk (`GET /v1/jobs/{id}/checkpoints`), else 422.")
 
 
 class UndoRequest(BaseModel):
@@ -176,19 +184,32 @@ def list_decisions(
 @router.post("/v1/promotion/promote", status_code=201, response_model=DecisionOut, operation_id="promotion-promote",
              summary="Force: make a succeeded job the current draft of its target",
              responses=error_responses(400, *AUTH, 404, 409, 422, descriptions={
-                 409: "The job has not succeeded."}))
+                 409: "The job has not succeeded.",
+                 422: "Invalid body, or the job has no complete checkpoint at that step (or no best one)."}))
 @releases_db
-def force_promote(body: PromoteRequest, session: DB, principal: Writer) -> Any:
-    """Unmeasured: recorded as `forced`, by the caller (undo with `POST /v1/promotion/undo`)."""
+def force_promote(body: PromoteRequest, state: State, session: DB, principal: Writer) -> Any:
+    """Unmeasured: recorded as `forced`, by the caller (undo with `POST /v1/promotion/undo`). Only a complete
+    checkpoint still on disk can be promoted (what a warm start from it would find: `service.db.init_from`)."""
     job = load_job(session, principal, body.job_id)
     if job.status != states.SUCCEEDED:
         raise ApiError(409, "conflict", f"job {job.id} is {job.status}: only a succeeded job can be promoted",
                        param="/job_id")
     step = body.checkpoint_step if body.checkpoint_step is not None else job.best_checkpoint_step
+    if step is None:
+        raise _no_checkpoint(f"job {job.id} has no best checkpoint: name one of its checkpoints (checkpoint_step)")
+    found = init_source(session, principal.owner_id, f"job:{job.id}@step_{step}",
+                        artifact_root=state.settings.resolved_artifact_root())
+    if found.export_dir is None:
+        raise _no_checkpoint(found.problem or f"job {job.id} has no complete checkpoint at step {step}")
     row = promotion.record_decision(session, owner_id=principal.owner_id, target=_target_of(job.spec), job_id=job.id,
                                     decision="forced", decided_by=principal.owner_name, checkpoint_step=step,
                                     reason=f"forced by {principal.owner_name}")
     return promotion.decision_out(row)
+
+
+def _no_checkpoint(message: str) -> ApiError:
+    return ApiError(422, "validation_error", message, param="/checkpoint_step",
+                    details=[{"param": "/checkpoint_step", "message": message}])
 
 
 @router.post("/v1/promotion/undo", response_model=DecisionOut, operation_id="promotion-undo",

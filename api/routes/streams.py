@@ -21,7 +21,7 @@ from api.deps import ReadDB, Reader, TokenReader, releases_db
 from api.openapi import AUTH, error_responses
 from api.responses import json_ok
 from api.routes.jobs import load_job
-from api.schemas import EventPage, LogPage, MetricPage
+from api.schemas import EventPage, LogPage, MetricPage, public_record
 from service.db import repo
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -33,7 +33,7 @@ def serialize(kind: str, row: Any) -> dict[str, Any]:
     """A row as the JSON the API returns (same shape in pages and streams)."""
     out: dict[str, Any] = {"seq": row.seq, "time": row.time.isoformat().replace("+00:00", "Z"), "attempt": row.attempt}
     if kind == "events":
-        out.update(kind=row.kind, phase=row.phase, message=row.message, data=row.data or {})
+        out.update(kind=row.kind, phase=row.phase, message=row.message, data=public_record(row.data or {}))
     elif kind == "metrics":
         out.update(step=row.step, epoch=row.epoch, values=row.values or {})
     else:
@@ -181,11 +181,19 @@ def _stream_job(job_id: str, session: ReadDB, principal: TokenReader) -> str:
 MAX_SEQ = 2**31 - 1
 
 
-def _cursor(last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+def _cursor(last_event_id: Annotated[str, Header(max_length=32, json_schema_extra={
+                # what the check below takes, stated in the document: a sequence number 0 .. 2**31-1 (MAX_SEQ),
+                # leading zeros allowed, or empty (tests/api/test_schema_agreement.py holds them equal)
+                "pattern": r"^0*([0-9]{0,9}|1[0-9]{9}|20[0-9]{8}|21[0-3][0-9]{7}|214[0-6][0-9]{6}|2147[0-3][0-9]{5}"
+                           r"|21474[0-7][0-9]{4}|214748[0-2][0-9]{3}|2147483[0-5][0-9]{2}|21474836[0-3][0-9]"
+                           r"|214748364[0-7])$",
+                "description": "Resume after this seq (the `id` of the last event received), 0 .. 2147483647."})] = "",
             after: Annotated[int | None, Query(ge=0, le=MAX_SEQ, description="Start after this seq.")] = None,
             ) -> int:
-    """The seq to resume after: `Last-Event-ID` (bounded like `?after=`, else 422), else `?after=`, else 0."""
-    value = (last_event_id or "").strip()
+    """The seq to resume after: `Last-Event-ID` (bounded like `?after=`, else 422), else `?after=`, else 0.
+
+    The header is text, never null: `null` is refused like any other non-number."""
+    value = last_event_id.strip()
     if not value:
         return after or 0
     if not (value.isascii() and value.isdigit()) or int(value) > MAX_SEQ:

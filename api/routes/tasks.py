@@ -3,7 +3,6 @@ its engine chunk tasks grouped by worker: role, worker, GPUs, state, chunks done
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.deps import DB, Reader, releases_db
 from api.openapi import AUTH, error_responses
 from api.routes.jobs import load_job
+from api.schemas import worker_label
 from service.db.engine_tasks import IN_FLIGHT, task_rows
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -39,11 +39,6 @@ class TaskList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[TaskOut]
-
-
-def worker_label(name: str | None) -> str | None:
-    """A stable label of a worker that names no host or pid (operators find the name in the worker logs)."""
-    return None if not name else "w-" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 def tasks_of(job: Any, rows: list[Any]) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from peagle.errors import SpecInvalidError
+from peagle.spec.targets import is_hub_id
 from peagle.spec.text import unstorable_problem
 
 if TYPE_CHECKING:
@@ -50,7 +51,9 @@ __all__ = [
     "BUILTIN_PROMPT_SETS",
     "BUILTIN_TARGETS",
     "DATASET_PREFIX",
+    "ENGINE_QUEUE_PREFIX",
     "HELDOUT_PROMPT_SET",
+    "RESERVED_QUEUES",
     "SPEC_VERSION",
     "VLLM_EXTRA_FLAGS",
     "CheckpointSpec",
@@ -71,6 +74,7 @@ __all__ = [
     "VllmSpec",
     "dataset_id",
     "dataset_ref",
+    "queue_problem",
     "spec_hash",
 ]
 
@@ -93,6 +97,12 @@ class _Strict(BaseModel):
 # --------------------------------------------------------------------------------------------------
 
 
+#: `target.name_or_path` (it lands in the export's config and in the serve command): a builtin, a hub id
+#: (`name` or `org/name`, as `peagle.spec.targets.is_hub_id`), or an absolute folder of shell-safe characters.
+_VERIFIER_NAME = (r"^(builtin:[a-z0-9.-]+|[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?"
+                  r"|(/[A-Za-z0-9._+@=-]+)+)$")
+
+
 class TargetSpec(_Strict):
     """The target (verifier) model the draft learns to imitate."""
 
@@ -112,10 +122,30 @@ class TargetSpec(_Strict):
     name_or_path: str | None = Field(
         default=None,
         max_length=512,
+        pattern=_VERIFIER_NAME,
         description="Verifier name written into the exported config (what `vllm serve` loads where the draft "
         "is downloaded); default = `model`, a builtin its hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`; "
-        "`builtin:tiny-llama` has none and stays as is), a local folder its absolute path.",
+        "`builtin:tiny-llama` has none and stays as is), a local folder its absolute path. Set: a hub id, builtin "
+        "or absolute path of `A-Za-z0-9._+@=-`.",
     )
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _verifier_name(cls, value: str | None) -> str | None:
+        """What the pattern cannot say: a known builtin, a hub id without `..`, a folder without `.`/`..`."""
+        if value is None:
+            return value
+        if value.startswith("builtin:"):
+            ok = value in BUILTIN_TARGETS
+        elif value.startswith("/"):
+            ok = not {".", ".."} & set(value.split("/"))
+        else:
+            ok = is_hub_id(value)
+        if not ok:
+            raise PydanticCustomError("name_or_path", "must be a hub id ('org/name'), a builtin "
+                                      f"({', '.join(BUILTIN_TARGETS)}) or an absolute folder path without "
+                                      f"'.' or '..' segments, got {value!r}")
+        return value
 
 
 class DataSource(_Strict):
@@ -467,6 +497,44 @@ class VllmSpec(_Strict):
 
 
 _QUEUE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: The engine queue beside a job queue `q` is `engine-<q>` (`service.queue.engine_queue`): engine workers
+#: consume those, trainer workers the others.
+ENGINE_QUEUE_PREFIX = "engine-"
+#: Names the broker keeps for itself: Celery's default queue and event queues, kombu's bookkeeping keys on
+#: Redis; and suffixes of a worker's own queues (worker-direct `<node>.dq2`, the control `.pidbox`).
+RESERVED_QUEUES = frozenset({"celery", "celeryev", "unacked", "unacked_index", "unacked_mutex"})
+_RESERVED_QUEUE_PREFIXES = ("celery.", "celeryev.")
+_RESERVED_QUEUE_SUFFIXES = (".dq", ".dq2", ".pidbox")
+
+
+def queue_problem(name: str, *, engine: bool = False) -> str | None:
+    """Why `name` cannot be a job's queue (`engine`: the queue of its engine chunks), or None.
+
+    A job queue is never an engine queue (`engine-...`: its task would wait among engine chunks, for engine
+    workers), an engine queue always is one, and neither is a name the broker keeps (`RESERVED_QUEUES`).
+
+        >>> queue_problem("engine-cpu") is not None, queue_problem("engine-cpu", engine=True)
+        (True, None)
+    """
+    if (name in RESERVED_QUEUES or name.startswith(_RESERVED_QUEUE_PREFIXES)
+            or name.endswith(_RESERVED_QUEUE_SUFFIXES)):
+        return (f"{name!r} is a name the broker keeps for itself (Celery's default and event queues, kombu's "
+                "bookkeeping, a worker's own queues): choose another")
+    is_engine = name.startswith(ENGINE_QUEUE_PREFIX) and len(name) > len(ENGINE_QUEUE_PREFIX)
+    if engine and not is_engine:
+        return (f"must be an engine queue ('{ENGINE_QUEUE_PREFIX}<queue>', what engine workers consume), "
+                f"got {name!r}")
+    if not engine and name.startswith(ENGINE_QUEUE_PREFIX):
+        return (f"{name!r} is an engine queue ('{ENGINE_QUEUE_PREFIX}<queue>' holds split jobs' engine chunks for "
+                "engine workers): name a queue of trainer workers")
+    return None
+
+
+def _checked_queue(value: str | None, *, engine: bool) -> str | None:
+    why = queue_problem(value, engine=engine) if value is not None else None
+    if why is not None:
+        raise PydanticCustomError("queue_name", why)
+    return value
 
 
 class EngineResources(_Strict):
@@ -480,8 +548,14 @@ class EngineResources(_Strict):
     replicas: int = Field(default=1, ge=1, le=64, description="The most engine chunk tasks of this job at once.")
     queue: str | None = Field(
         default=None, pattern=_QUEUE_NAME,
-        description="Celery queue of the engine chunks; None = `engine-<the job's queue>`.",
+        description="Celery queue of the engine chunks, an engine queue (`engine-...`); None = `engine-<the job's "
+        "queue>`.",
     )
+
+    @field_validator("queue")
+    @classmethod
+    def _engine_queue(cls, value: str | None) -> str | None:
+        return _checked_queue(value, engine=True)
 
 
 class TrainerResources(_Strict):
@@ -490,7 +564,13 @@ class TrainerResources(_Strict):
     gpus: int | None = Field(
         default=None, ge=0, le=64, description="GPUs of the trainer on its machine (torchrun); None = resources.gpus."
     )
-    queue: str | None = Field(default=None, pattern=_QUEUE_NAME, description="Celery queue; None = the job's queue.")
+    queue: str | None = Field(default=None, pattern=_QUEUE_NAME, description="Celery queue (not an engine queue, "
+                              "`engine-...`); None = the job's queue.")
+
+    @field_validator("queue")
+    @classmethod
+    def _job_queue(cls, value: str | None) -> str | None:
+        return _checked_queue(value, engine=False)
 
 
 class ResourceSpec(_Strict):

@@ -112,7 +112,9 @@ def record_decision(
 ) -> PromotionDecision:
     """Store a decision about `job_id` (and, for `promoted` / `forced`, make it current); its job event too.
 
-    Commits. `decision` is one of `peagle.eval.promotion.DECISIONS` except `undone` (see `undo`).
+    Commits. `decision` is one of `peagle.eval.promotion.DECISIONS` except `undone` (see `undo`). A decision
+    that makes a job current names a complete checkpoint on disk: the caller checks it with
+    `service.db.init_from.init_source` (`job:<id>@step_<N>`), as the forced promotion route does.
     """
     if decision not in _RECORDED:
         raise ValueError(f"decision: {decision!r} is not a decision to record (undo() undoes)")

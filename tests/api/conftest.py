@@ -21,6 +21,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from api.timeouts import HTTP_PROTOCOL
 from service.db import repo, upgrade
 from service.db.models import Checkpoint, Job, JobEvent, JobLog, JobMetric, utcnow
 from service.db.session import make_engine, make_session_factory, session_scope
@@ -231,7 +232,8 @@ def _free_port() -> int:
 
 
 class ApiProcess:
-    """`uvicorn --factory api.main:create_app` in a subprocess, configured through PEAGLE_* variables."""
+    """`uvicorn --factory api.main:create_app` in a subprocess, started as production starts it (`worker/run.py`:
+    the server protocol with header and body timeouts, `api.timeouts`), configured through PEAGLE_* variables."""
 
     def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
         self.port = _free_port()
@@ -242,7 +244,7 @@ class ApiProcess:
         self._log_file = self.log.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning"],
+             "--port", str(self.port), "--http", HTTP_PROTOCOL, "--log-level", "warning"],
             cwd=ROOT, env=full, stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
@@ -283,3 +285,26 @@ def api_key(db: str, owner: str = "alice") -> dict[str, str]:
             return {"Authorization": f"Bearer {repo.create_key(s, owner, ['write'])[1]}"}
     finally:
         engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory: pytest.TempPathFactory, tiny_target_path: Path) -> Path:
+    """A valid export of a `tiny`-preset draft of tiny-llama (1 layer, Vd 512, aux [1, 2, 3], mask token 3)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from peagle.export.writer import export_draft
+    from peagle.model.draft import DraftConfig, PEagleDraft
+    from peagle.model.initialization import init_from_target
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_path), dtype=torch.float32)
+    cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=512, mask_token_id=3,
+                                  aux_layer_ids=[1, 2, 3])
+    draft = PEagleDraft(cfg)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[:512] = True
+    init_from_target(draft, target, t2d)
+    out = tmp_path_factory.mktemp("drafts") / "my-draft"
+    export_draft(draft, out, num_speculative_tokens=3, verifier_name_or_path="builtin:tiny-llama",
+                 verifier_architectures=["LlamaForCausalLM"])
+    return out

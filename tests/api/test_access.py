@@ -148,3 +148,16 @@ def test_responses_show_no_server_path(client: TestClient, alice: dict, sim: Any
     assert "not json" not in json.dumps(bad)  # no file content quoted back
     serve = client.get(f"/v1/jobs/{job['id']}/checkpoints/4/serve", headers=alice).json()
     assert serve["command"] == f"vllm serve ./{job['id']}-step_000004"
+
+
+@pytest.mark.parametrize("named", ["/etc", "/root/models/secret", "/proc/self"])
+def test_host_folders_as_target_name_or_path_are_refused(client: TestClient, alice: dict, sim: Any,
+                                                         named: str) -> None:
+    """`target.name_or_path` lands in the export's config, which the worker's validator reads as a folder:
+    an API job may name only what `target.model` may (issue 46)."""
+    for dry in ("", "?dry_run=true"):
+        r = client.post(f"/v1/jobs{dry}", json=_tiny(target={"name_or_path": named}), headers=alice)
+        _refused(r, "/target/name_or_path")
+    assert _job_count(sim) == 0
+    ok = client.post("/v1/jobs", json=_tiny(target={"name_or_path": "org/my-target"}), headers=alice)
+    assert ok.status_code == 201, ok.text
