@@ -24,11 +24,11 @@ from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
+from api.checkpoint_schemas import CheckpointList, ServeCommand
 from api.deps import DB, DownloadReader, Reader, State, releases_db
 from api.errors import ApiError
 from api.openapi import AUTH, error_responses, header
 from api.routes.jobs import load_job
-from api.schemas import CheckpointList, ServeCommand
 from peagle.fileio import atomic_path, atomic_write_text
 from peagle.spec import metrics as metric_keys
 from peagle.spec import portable_verifier

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import authorize
+from api.checkpoint_schemas import Estimate
 from api.deps import DB, AppState, ReadDB, Reader, State, Writer, releases_db
 from api.errors import ApiError, spec_error
 from api.estimate import estimate
@@ -27,7 +28,6 @@ from api.preflight import Preflight, WorkerCheck, preflight
 from api.responses import json_ok, jsonable
 from api.schemas import (
     CloneRequest,
-    Estimate,
     JobCreate,
     JobListParams,
     JobOut,

@@ -19,9 +19,10 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.deps import ReadDB, Reader, TokenReader, releases_db
 from api.openapi import AUTH, error_responses
+from api.records import public_record
 from api.responses import json_ok
 from api.routes.jobs import load_job
-from api.schemas import EventPage, LogPage, MetricPage, public_record
+from api.schemas import EventPage, LogPage, MetricPage
 from service.db import repo
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

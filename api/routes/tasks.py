@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import DB, Reader, releases_db
 from api.openapi import AUTH, error_responses
+from api.records import worker_label
 from api.routes.jobs import load_job
-from api.schemas import worker_label
 from service.db.engine_tasks import IN_FLIGHT, task_rows
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

@@ -11,8 +11,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from api.checkpoint_schemas import Funnel
 from api.estimate import Comparable, Measured, estimate
-from api.schemas import Funnel
 from peagle.spec import parse_spec, preset
 from peagle.spec.funnel import FUNNEL_KEYS
 from peagle.spec.hardware import cpu_facts, hardware_class

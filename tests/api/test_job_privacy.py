@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from api.schemas import public_record, worker_label
+from api.records import public_record, worker_label
 from service.db.models import JobEvent
 from service.db.session import session_scope
 

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from api.checkpoint_schemas import Estimate
 from api.estimate import MODEL_RANGE, estimate
-from api.schemas import Estimate
 from peagle.spec import parse_spec, preset
 
 AVX2 = frozenset({"avx", "avx2", "fma"})

@@ -34,7 +34,7 @@ def smollm2(smollm2_path: Path) -> tuple[Any, Any]:
 
 def test_job_evaluation_in_vllm_without_the_target(smollm2: Any, smollm2_path: Path, smollm2_tokenizer: Any,
                                                    tmp_path: Path) -> None:
-    from api.schemas import CheckpointEvaluation
+    from api.checkpoint_schemas import CheckpointEvaluation
     from peagle.eval.final import evaluate_export, evaluation_summary
     from peagle.export.writer import export_draft
 

@@ -72,7 +72,7 @@ def test_the_loader_resolves_auto_from_this_machine() -> None:
 def test_the_dry_run_shows_the_resolved_dtype(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str],
                                               want: str) -> None:
     import api.estimate
-    from api.schemas import Estimate
+    from api.checkpoint_schemas import Estimate
 
     monkeypatch.setattr(api.estimate, "cpu_facts", lambda: DeviceFacts(cpu_flags=flags))
     est = api.estimate.estimate(preset("demo"), dataset_rows={}, queue="cpu", queue_position=0)
