@@ -10,31 +10,6 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-import pytest
-import torch
-
-
-@pytest.fixture(scope="module")
-def tiny_export(tmp_path_factory, tiny_target_path) -> Path:
-    """A valid export of a `tiny`-preset draft of tiny-llama (1 layer, Vd 512, aux [1, 2, 3], mask token 3)."""
-    from transformers import AutoModelForCausalLM
-
-    from peagle.export.writer import export_draft
-    from peagle.model.draft import DraftConfig, PEagleDraft
-    from peagle.model.initialization import init_from_target
-
-    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_path), dtype=torch.float32)
-    cfg = DraftConfig.from_target(target.config, num_layers=1, draft_vocab_size=512, mask_token_id=3,
-                                  aux_layer_ids=[1, 2, 3])
-    draft = PEagleDraft(cfg)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[:512] = True
-    init_from_target(draft, target, t2d)
-    out = tmp_path_factory.mktemp("drafts") / "my-draft"
-    export_draft(draft, out, num_speculative_tokens=3, verifier_name_or_path="builtin:tiny-llama",
-                 verifier_architectures=["LlamaForCausalLM"])
-    return out
-
 
 def _tar(entries: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
     buf = io.BytesIO()
