@@ -16,12 +16,11 @@ from typer.testing import CliRunner
 from api.main import create_app
 from peagle.cli import app as cli_app
 from peagle.client import PeagleClient
-from tests.api.test_draft_upload import tiny_export  # noqa: F401 - the module-scoped export fixture
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_drafts_from_the_command_line(settings_factory: Any, sim: Any, live_server: Any, tmp_path: Path,
-                                      tiny_export: Path) -> None:  # noqa: F811
+                                      tiny_export: Path) -> None:
     key = sim.key("ivy", "write")
     runner = CliRunner()
     with live_server(create_app(settings_factory())) as srv, PeagleClient(srv.url, key) as c:
