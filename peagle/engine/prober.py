@@ -31,6 +31,7 @@ from peagle.engine import procs
 from peagle.engine.environment import vllm_env
 from peagle.engine.guard import guarded
 from peagle.engine.locate import vllm_python
+from peagle.engine.server import PLUGINS_DIR
 from peagle.errors import ResourceError
 
 __all__ = ["PROBE_GRACE_S", "loadable_export", "probe_script", "run_probe"]
@@ -154,7 +155,9 @@ def run_probe(
             plan_file.write_text(json.dumps(plan), encoding="utf-8")
             log = Path(log_path) if log_path is not None else tmp / "vllm.log"
             cmd = [str(py), str(probe_script()), "--plan", str(plan_file), "--out", str(out_file)]
-            env = vllm_env(python=py, devices=None, offline=True)
+            # our vLLM plug-ins on its path: `peagle_tree` ties the probe's engine core to the probe, so a
+            # killed probe (or guard) leaves nothing of its engine behind (docs/engine.md 3)
+            env = vllm_env(python=py, devices=None, offline=True, pythonpath=[PLUGINS_DIR])
             with log.open("w") as fh:
                 proc = guarded(cmd, env=env, grace_s=PROBE_GRACE_S, cleanup=[tmp], stdout=fh,
                                stderr=subprocess.STDOUT)
