@@ -4,20 +4,29 @@ An uploaded archive is unpacked file by file by rules an attacker's archive cann
 folders only (no link of any kind, no device, no fifo), relative names without `..` and at most 4 deep, at
 most `MAX_ENTRIES` entries, the same name once, at most the limit in unpacked bytes (counted as they are
 written, whatever a header declares), and each file reserved against the owner's quota before it is written.
-Standard library only (tarfile, zipfile); it runs in the API process, in a threadpool thread.
+Standard library only (tarfile, zipfile). Decompressing is parsing the tenant's bytes, so it runs in the one
+sandbox (`peagle.engine.sandbox`, through `api.uploads`), never in the API process:
+
+    python -m api.archives size ARCHIVE --limit N          # {"ok": true, "declared": bytes}: checked, nothing written
+    python -m api.archives unpack ARCHIVE DEST --limit N   # {"ok": true, "folder": "DEST/<top>", "written": bytes}
+
+each printing one JSON line, `{"ok": false, "error": "<why>"}` when the archive is refused.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import stat
+import sys
 import tarfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-__all__ = ["MAX_ENTRIES", "ArchiveRefused", "unpack_export"]
+__all__ = ["MAX_ENTRIES", "ArchiveRefused", "declared_size", "main", "unpack_export"]
 
 #: Entries (files and folders) an uploaded archive may hold: an export is two files.
 MAX_ENTRIES = 64
@@ -51,6 +60,40 @@ def _entries_zip(path: Path) -> Iterator[tuple[str, str, int, Callable[[], IO[by
             yield info.filename, kind, int(info.file_size), lambda info=info: zf.open(info)  # type: ignore[misc]
 
 
+def _entries(archive: Path) -> Iterator[tuple[str, str, int, Callable[[], IO[bytes] | None]]]:
+    if zipfile.is_zipfile(archive):
+        return _entries_zip(archive)
+    if tarfile.is_tarfile(archive):
+        return _entries_tar(archive)
+    raise ArchiveRefused("not a tar or zip archive (upload a tar, tar.gz or zip of the export folder)")
+
+
+def declared_size(archive: Path, *, limit: int) -> int:
+    """The bytes `archive`'s headers say its files hold, checked by the same rules as `unpack_export` (kinds,
+    names, entries, the limit) without writing anything: what the owner's quota must hold before unpacking.
+
+    Raises:
+        ArchiveRefused: as `unpack_export` would, or its files declare more than `limit` bytes.
+    """
+    total, seen = 0, set[tuple[str, ...]]()
+    try:
+        for count, (name, kind, size, _open) in enumerate(_entries(archive), start=1):
+            if count > MAX_ENTRIES:
+                raise ArchiveRefused(f"more than {MAX_ENTRIES} entries (an export folder is two files)")
+            if kind not in ("file", "dir"):
+                raise ArchiveRefused(f"{name!r} is a {kind}: only regular files and folders are accepted")
+            parts = _safe_parts(name)
+            if parts in seen and parts:
+                raise ArchiveRefused(f"{name!r} appears twice")
+            seen.add(parts)
+            total += size if kind == "file" else 0
+            if total > limit:
+                raise ArchiveRefused(f"unpacks to more than the limit of {limit} bytes")
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, ValueError, RuntimeError) as exc:
+        raise ArchiveRefused(f"the archive cannot be read: {exc}") from None
+    return total
+
+
 def _safe_parts(name: str) -> tuple[str, ...]:
     """The path parts of an archive member's name, refusing what could land outside the folder."""
     if "\\" in name or "\x00" in name or name.startswith("/") or re.match(r"^[A-Za-z]:", name):
@@ -80,12 +123,7 @@ def unpack_export(archive: Path, dest: Path, *, limit: int, reserve: Callable[[i
         ArchiveRefused: not an archive, a link / device / fifo, a path out of `dest`, too many entries, more
             than `limit` unpacked bytes, a name twice, or no config.json + model.safetensors.
     """
-    if zipfile.is_zipfile(archive):
-        entries = _entries_zip(archive)
-    elif tarfile.is_tarfile(archive):
-        entries = _entries_tar(archive)
-    else:
-        raise ArchiveRefused("not a tar or zip archive (upload a tar, tar.gz or zip of the export folder)")
+    entries = _entries(archive)
     dest.mkdir(parents=True, exist_ok=True)
     written, seen = 0, set[tuple[str, ...]]()
     try:
@@ -134,3 +172,33 @@ def unpack_export(archive: Path, dest: Path, *, limit: int, reserve: Callable[[i
         raise ArchiveRefused(f"no {' and no '.join(missing)} at the archive's root or in its one top folder "
                              "(not a speculators-format export folder)")
     return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The sandboxed child's entry point (module docstring): one JSON line on stdout, exit 0 either way."""
+    parser = argparse.ArgumentParser(prog="python -m api.archives")
+    sub = parser.add_subparsers(dest="what", required=True)
+    size = sub.add_parser("size")
+    size.add_argument("archive", type=Path)
+    size.add_argument("--limit", type=int, required=True)
+    unpack = sub.add_parser("unpack")
+    unpack.add_argument("archive", type=Path)
+    unpack.add_argument("dest", type=Path)
+    unpack.add_argument("--limit", type=int, required=True)
+    args = parser.parse_args(argv)
+    out: dict[str, object]
+    try:
+        if args.what == "size":
+            out = {"ok": True, "declared": declared_size(args.archive, limit=args.limit)}
+        else:
+            folder = unpack_export(args.archive, args.dest, limit=args.limit)
+            written = sum(p.stat().st_size for p in args.dest.rglob("*") if p.is_file())
+            out = {"ok": True, "folder": str(folder), "written": written}
+    except ArchiveRefused as exc:
+        out = {"ok": False, "error": str(exc)}
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

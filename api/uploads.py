@@ -22,19 +22,21 @@
   `.partial-*` (in no row and no quota): `sweep_leftovers` deletes those at start-up once nothing in them
   changed for `Settings.sandbox_wall_seconds` + `SWEEP_MARGIN_S` (an upload another API process is
   validating is left alone).
-- **Hostile archives** (`api.archives.unpack_export`): regular files and folders only (no link of any kind, no
-  device, no fifo), relative names without `..`, at most `MAX_ENTRIES` entries, the same name once, at
-  most the limit in unpacked bytes (counted as they are written), and not past the owner's quota.
+- **Hostile archives** (`api.archives`): regular files and folders only (no link of any kind, no device,
+  no fifo), relative names without `..`, at most `MAX_ENTRIES` entries, the same name once, at most the
+  limit in unpacked bytes. What the headers declare is reserved against the owner's quota before anything
+  is written, and the unpacking child may write no more than that.
 - **The sandbox.** Every parser of the tenant's bytes (the dataset validator, the export validator) runs
   as a child in `peagle.engine.sandbox` (`run_sandboxed`): no service secret in its environment, rlimits
   from `Settings.sandbox_*`, a wall clock, at most `max_concurrent_validations` at once per API process.
-  A breach is the upload's refusal naming the limit. Unpacking itself runs here, in the API process
-  (the stdlib's tarfile/zipfile, bounded as above).
+  A breach is the upload's refusal naming the limit. Unpacking an archive is parsing the tenant's bytes
+  too: it runs there as well (`python -m api.archives size|unpack`), never in the API process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -389,26 +391,62 @@ class Upload:
         return Received(dest_dir / st["filename"], st["filename"], st["size"], st["sha"].hexdigest(), st["fields"])
 
     async def unpack(self, archive: Path, *, limit: int) -> Path:
-        """Unpack `archive` into `partial/unpacked` (`unpack_export`), each file reserved against the quota
-        before it is written, then delete the archive (its bytes are given back). Returns the export folder.
+        """Unpack `archive` into `partial/unpacked` (`api.archives`, in the sandbox: decompressing is parsing
+        the tenant's bytes) and delete the archive (its bytes are given back). What its headers declare is
+        reserved against the quota first, and the unpacking child may write no more than that. Returns the
+        export folder.
 
         Raises:
-            ArchiveRefused: the hostile-archive rules (the upload is `invalid`, its report says why).
+            ArchiveRefused: the hostile-archive rules or a sandbox limit (the upload is `invalid`, its report
+                says why).
             ApiError: 429 `quota_exceeded`, it unpacks past what is left of the owner's quota.
         """
         archive_bytes = archive.stat().st_size
         try:
-            return await run_in_threadpool(unpack_export, archive, self.partial / "unpacked", limit=limit,
-                                           reserve=self.hold.take, release=self.hold.give_back)
-        except QuotaExceeded as exc:
-            raise ApiError(429, "quota_exceeded", f"the archive unpacks to more than this owner's remaining upload "
-                           f"quota ({exc.left} bytes left of {exc.quota}; the {archive_bytes}-byte archive counts "
-                           "until it is unpacked)", param="/file", headers={"Retry-After": "3600"}) from None
+            size = await self._archive_child(["size", archive.name, "--limit", str(limit)], archive.parent,
+                                             file_bytes=1 << 20)
+            declared = int(size["declared"])
+            try:
+                self.hold.take(declared)
+            except QuotaExceeded as exc:
+                raise ApiError(429, "quota_exceeded", f"the archive unpacks to more than this owner's remaining "
+                               f"upload quota ({exc.left} bytes left of {exc.quota}; the {archive_bytes}-byte "
+                               "archive counts until it is unpacked)", param="/file",
+                               headers={"Retry-After": "3600"}) from None
+            dest = self.partial / "unpacked"
+            done = await self._archive_child(["unpack", os.path.relpath(archive, self.partial), dest.name, "--limit", str(declared)],
+                                             self.partial, file_bytes=max(declared, 1) + 1)
+            written = await run_in_threadpool(_disk_bytes, dest)
+            self.hold.give_back(max(0, declared - written))
+            folder = (self.partial / str(done["folder"])).resolve()
+            if not (folder == dest.resolve() or folder.is_relative_to(dest.resolve())) or not folder.is_dir():
+                raise ArchiveRefused("the unpacked export folder is not inside the upload's folder")
+            return folder
         finally:
             archive.unlink(missing_ok=True)
             self.hold.give_back(archive_bytes)
             if archive.parent != self.partial:
                 shutil.rmtree(archive.parent, ignore_errors=True)
+
+    async def _archive_child(self, args: list[str], cwd: Path, *, file_bytes: int) -> dict[str, Any]:
+        """`python -m api.archives ARGS` in the sandbox (its largest file: `file_bytes`); its JSON answer.
+
+        Raises:
+            ArchiveRefused: the archive is refused, a sandbox limit was hit, or the child gave no answer.
+        """
+        out = await run_sandboxed([sys.executable, "-m", "api.archives", *args], cwd=cwd, home=self.home,
+                                  state=self.state, file_bytes=file_bytes, what="unpacking")
+        if out.breach is not None:
+            raise ArchiveRefused(str(out.message))
+        try:
+            answer = json.loads(out.stdout.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            log.error("archive child failed (exit %s): %s", out.returncode, out.stderr.decode(errors="replace")[-2000:])
+            raise ArchiveRefused(f"the archive could not be read (the unpacker stopped with exit code "
+                                 f"{out.returncode})") from None
+        if not answer.get("ok"):
+            raise ArchiveRefused(str(answer.get("error") or "the archive is refused"))
+        return dict(answer)
 
     async def store(self, build: Callable[[Path, int], _Row], *, keep: bool) -> _Row:
         """Insert the upload's row, `build(final_folder, bytes_on_disk)`. `keep`: rename the temporary
@@ -515,10 +553,18 @@ def sandbox_limits(settings: Settings) -> sandbox.Limits:
                           file_bytes=settings.sandbox_file_bytes, wall_seconds=settings.sandbox_wall_seconds)
 
 
-async def run_sandboxed(cmd: list[str], *, cwd: Path, home: Path, state: AppState) -> sandbox.Outcome:
-    """Run a parser of tenant bytes in the sandbox, waiting for one of `AppState.validator_slots`."""
+async def run_sandboxed(cmd: list[str], *, cwd: Path, home: Path, state: AppState, file_bytes: int | None = None,
+                        what: str = "validation") -> sandbox.Outcome:
+    """Run a parser of tenant bytes in the sandbox, waiting for one of `AppState.validator_slots`.
+
+    `file_bytes`: the largest file it may write, when it writes the tenant's files (an unpacked archive);
+    None = `Settings.sandbox_file_bytes`. `what` names the work in a refusal.
+    """
+    limits = sandbox_limits(state.settings)
+    if file_bytes is not None:
+        limits = dataclasses.replace(limits, file_bytes=file_bytes)
     async with state.validator_slots:
-        return await sandbox.run(cmd, cwd=cwd, home=home, limits=sandbox_limits(state.settings))
+        return await sandbox.run(cmd, cwd=cwd, home=home, limits=limits, what=what)
 
 
 def export_validator_command(folder: Path) -> list[str]:

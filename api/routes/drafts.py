@@ -6,8 +6,9 @@
 then a job spec names it as `draft.init_from: draft:<id>` (docs/warm_start.md). The upload goes through
 `api.uploads`, the one path of every kind: the archive streams into the upload's temporary folder (size
 limit `Settings.max_draft_upload_bytes`, sha256), is unpacked there by the hostile-archive rules
-(`api.uploads.unpack_export`; every unpacked byte counts against the owner's quota, shared with datasets,
-as it is written: past what is left of it the upload is 429 `quota_exceeded` and leaves nothing), and the
+(`api.archives`, in the sandbox; what its headers declare counts against the owner's quota, shared with
+datasets, before anything is written: past what is left of it the upload is 429 `quota_exceeded` and leaves
+nothing), and the
 archive is deleted. The export folder (the archive's root or its one top folder) is then checked by the
 export validator (`peagle validate --json --portable`, in the sandbox: the API never imports the ML stack):
 `ready` when vLLM would load it, else `invalid` with the validator's reasons (and no files kept). The

@@ -310,3 +310,38 @@ def test_leftover_partial_uploads_are_swept_at_start_up(settings_factory: Any) -
     assert not [p for p in leftovers if p.exists()] and not (owner / ".partial-ds_old").exists()
     assert not (owner / ".partial-drf_old").exists()
     assert all(p.exists() for p in kept)  # an upload in flight (another API process) and a stored dataset
+
+
+def test_an_archive_is_decompressed_in_the_sandbox_never_in_the_api(settings_factory: Any, sim: Any,
+                                                                    monkeypatch: Any) -> None:
+    """Decompressing is parsing the tenant's bytes (an xz header can ask for a dictionary of gigabytes):
+    the API process itself never opens the archive; the sandboxed `python -m api.archives` children do, with
+    the archive's declared size reserved before and the largest file they may write bounded by it."""
+    import api.archives
+    import api.uploads
+    from peagle.engine import sandbox
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the API process decompressed an uploaded archive")
+
+    for module in (api.archives, api.uploads):
+        for name in ("unpack_export", "declared_size", "_entries_tar", "_entries_zip"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, refuse)
+    children: list[tuple[list[str], int]] = []
+    real_run = sandbox.run
+
+    async def run(cmd: Any, **kw: Any) -> Any:
+        children.append(([str(c) for c in cmd], kw["limits"].file_bytes))
+        return await real_run(cmd, **kw)
+
+    monkeypatch.setattr(sandbox, "run", run)
+    monkeypatch.setattr(api.uploads, "export_validator_command",
+                        lambda folder: _python(f"print({OK_EXPORT!r})"))
+    settings = settings_factory()
+    with TestClient(create_app(settings)) as c:
+        r = _up_draft(c, _key(sim, "yuri"), _draft(3 * MiB))
+        assert r.status_code == 201 and r.json()["status"] == "ready", r.text
+    steps = [(cmd[cmd.index("api.archives") + 1], limit) for cmd, limit in children if "api.archives" in cmd]
+    assert [s for s, _ in steps] == ["size", "unpack"], children
+    assert steps[1][1] == 3 * MiB + 2 + 1  # the two files' declared bytes (+1: RLIMIT_FSIZE is exclusive)
