@@ -15,6 +15,8 @@ import os
 import shlex
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from enum import StrEnum
@@ -104,12 +106,23 @@ class _EarlyStop(BaseException):
     """Raised by the early signal handler; a BaseException so no `except Exception` on the way swallows it."""
 
 
-def _install_early_interrupt() -> dict[int, Any]:
+#: Seconds before a dropped `_EarlyStop`'s signal is sent again (`_install_early_interrupt`).
+REDELIVER_S = 0.05
+
+
+def _install_early_interrupt() -> Callable[[], None]:
     """Outside the training loop a first SIGTERM/SIGINT exits 75 (data is cached; resume redoes the rest).
 
-    Returns the previous handlers (restored by the caller).
+    The handler raises `_EarlyStop` wherever the main thread is. Where that is inside a finalizer (a
+    `__del__`, a weakref callback of the garbage collector), Python drops the exception and reports it to
+    `sys.unraisablehook`: the stop was lost and the run went on (seen: raised in `regex`'s `__del__`, the
+    run exited 0). So a dropped `_EarlyStop` sends its signal again, as a first one; a signal the sender
+    sends twice still exits at once.
+
+    Returns a function that restores the previous handlers and hook.
     """
     state = {"count": 0}
+    previous_hook = sys.unraisablehook
 
     def handler(signum: int, frame: Any) -> None:
         state["count"] += 1
@@ -117,7 +130,26 @@ def _install_early_interrupt() -> dict[int, Any]:
             os._exit(EXIT_CODES["interrupted"])
         raise _EarlyStop(signum)
 
-    return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    def again(signum: int) -> None:
+        time.sleep(REDELIVER_S)  # from a thread, later: a signal sent from the hook lands in the hook
+        state["count"] = 0  # ours again, not the sender's second signal
+        os.kill(os.getpid(), signum)
+
+    def dropped(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, _EarlyStop):
+            threading.Thread(target=again, args=(unraisable.exc_value.args[0],), daemon=True).start()
+            return
+        previous_hook(unraisable)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    sys.unraisablehook = dropped
+
+    def restore() -> None:
+        sys.unraisablehook = previous_hook
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+    return restore
 
 
 def train_cmd(
@@ -166,7 +198,7 @@ def train_cmd(
     if console is not None:
         sinks.append(console)
     sink = MultiSink(*sinks)
-    previous = _install_early_interrupt()
+    restore_signals = _install_early_interrupt()
     try:
         from peagle.pipeline import run_pipeline
 
@@ -182,8 +214,7 @@ def train_cmd(
         sink.event("error", code=code, message=str(exc).split("\n")[0] or type(exc).__name__)
         raise
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        restore_signals()
         file_sink.close()
         if console is not None:
             console.close()
