@@ -4,12 +4,14 @@ time, file size, wall clock) stops the child with a refusal that names it; the c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,8 +34,15 @@ API_ENV = {
 }  # fmt: skip
 
 
+def _in_a_fresh_thread(coro: Any) -> Any:
+    """`asyncio.run(coro)` in a thread of its own: the test session's main thread may have a loop marked as
+    running already (Playwright's sync API keeps its loop so), where `asyncio.run` refuses to start."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def _run(code: str, tmp_path: Path, limits: Limits = ROOMY, **kw: object):
-    return asyncio.run(run([sys.executable, "-c", code], cwd=tmp_path, limits=limits, **kw))  # type: ignore[arg-type]
+    return _in_a_fresh_thread(run([sys.executable, "-c", code], cwd=tmp_path, limits=limits, **kw))  # type: ignore[arg-type]
 
 
 def test_the_child_sees_only_the_allow_list_and_home_is_its_work_folder(tmp_path: Path) -> None:
@@ -54,7 +63,7 @@ def test_the_child_sees_only_the_allow_list_and_home_is_its_work_folder(tmp_path
 
 def test_an_import_of_a_tenant_file_in_the_work_folder_does_not_run_it(tmp_path: Path) -> None:
     (tmp_path / "json.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\n")
-    out = asyncio.run(run([sys.executable, "-m", "json.tool", "--help"], cwd=tmp_path, limits=ROOMY))
+    out = _in_a_fresh_thread(run([sys.executable, "-m", "json.tool", "--help"], cwd=tmp_path, limits=ROOMY))
     assert out.returncode == 0, out
     assert not (tmp_path / "ran").exists()
 
