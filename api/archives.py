@@ -3,7 +3,8 @@
 An uploaded archive is unpacked file by file by rules an attacker's archive cannot get past: regular files and
 folders only (no link of any kind, no device, no fifo), relative names without `..` and at most 4 deep, at
 most `MAX_ENTRIES` entries, the same name once, at most the limit in unpacked bytes (counted as they are
-written, whatever a header declares), and each file reserved against the owner's quota before it is written.
+written, whatever a header declares); what the headers declare (`declared_size`) is reserved against the owner's
+quota before anything is written.
 Standard library only (tarfile, zipfile). Decompressing is parsing the tenant's bytes, so it runs in the one
 sandbox (`peagle.engine.sandbox`, through `api.uploads`), never in the API process:
 
@@ -106,18 +107,13 @@ def _safe_parts(name: str) -> tuple[str, ...]:
     return parts
 
 
-def unpack_export(archive: Path, dest: Path, *, limit: int, reserve: Callable[[int], None] | None = None,
-                  release: Callable[[int], None] | None = None) -> Path:
+def unpack_export(archive: Path, dest: Path, *, limit: int) -> Path:
     """Unpack `archive` (tar, tar.gz/bz2/xz, zip) into `dest` (module docstring's rules) and return the
     export folder in it: `dest` itself, or the archive's one top folder, holding config.json.
 
     Args:
-        limit: the most bytes it may unpack to, in total.
-        reserve: called with a file's declared size before it is written, and with each chunk past it (a
-            header that understated it): the owner's quota, which raises `QuotaExceeded` to stop (it passes
-            through). A whole file at once, so uploads unpacking at the same time do not each get part of
-            what is left and all fail.
-        release: called with what a file's header declared and it did not hold.
+        limit: the most bytes it may unpack to, in total (the caller reserved them against the owner's
+            quota: what `declared_size` found), counted as they are written, whatever a header declares.
 
     Raises:
         ArchiveRefused: not an archive, a link / device / fifo, a path out of `dest`, too many entries, more
@@ -148,21 +144,12 @@ def unpack_export(archive: Path, dest: Path, *, limit: int, reserve: Callable[[i
             src = open_()
             if src is None:
                 raise ArchiveRefused(f"{name!r} cannot be read")
-            if reserve is not None:
-                reserve(size)
-            held = size
             with src, target.open("xb") as out:  # "x": never through a name that exists (or a link to it)
                 while chunk := src.read(_CHUNK):
                     written += len(chunk)
                     if written > limit:  # a header that understated the size
                         raise ArchiveRefused(f"unpacks to more than the limit of {limit} bytes")
-                    held -= len(chunk)
-                    if held < 0 and reserve is not None:
-                        reserve(-held)
-                        held = 0
                     out.write(chunk)
-            if held > 0 and release is not None:
-                release(held)
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, ValueError, RuntimeError) as exc:
         raise ArchiveRefused(f"the archive cannot be read: {exc}") from None
     top = {p[0] for p in seen}

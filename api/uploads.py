@@ -60,7 +60,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from api.archives import MAX_ENTRIES, ArchiveRefused, unpack_export
+from api.archives import MAX_ENTRIES, ArchiveRefused
 from api.errors import ApiError
 from peagle.engine import sandbox
 from service.db.models import Dataset, DraftUpload, new_id, utcnow
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DATASET", "DRAFT", "INVALID", "KINDS", "MAX_ENTRIES", "PARTIAL_PREFIX", "ArchiveRefused", "Kind",
     "QuotaExceeded", "QuotaLedger", "Received", "Upload", "begin", "check_upload_allowed", "export_validator_command",
-    "run_sandboxed", "sandbox_limits", "sweep_leftovers", "unpack_export", "used_bytes", "validate_export",
+    "run_sandboxed", "sandbox_limits", "sweep_leftovers", "used_bytes", "validate_export",
 ]  # fmt: skip
 
 log = logging.getLogger("peagle.api")
