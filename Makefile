@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test venv deps services vllm-env-first-run vllm-env-if-possible peer-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
+.PHONY: run test test-fast venv deps services vllm-env-first-run vllm-env-if-possible peer-env-if-possible lint contracts typecheck pytest fixtures bench vllm-env peer-env clean help pip-quiet
 
 # pip's output without what is noise on every first run: setuptools' editable-install banner
 # ("InformationOnly: Editable installation ... Please be careful with folders in your working directory",
@@ -20,6 +20,7 @@ PIP_QUIET := grep -v -E $(PIP_NOISE)
 help:
 	@echo "make run    - the service on embedded defaults (SQLite, filesystem broker), ready to train a demo draft"
 	@echo "make test   - lint, import contracts and the whole test suite"
+	@echo "make test-fast - daily work: every test without a real engine, worker stack or browser (docs/testing.md)"
 	@echo "make bench  - every benchmark, as ratios against its peer (bench/)"
 	@echo "make vllm-env - the separate vLLM CPU venv used by the serve check (.vllm-venv)"
 
@@ -102,6 +103,12 @@ test: venv deps services vllm-env-if-possible peer-env-if-possible
 	@$(VPY) -m peagle fixtures
 	@echo "==> pytest"
 	@$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The fast lane (docs/testing.md 1): every test not marked heavy at collection (tests/lane), over the cores
+# with pytest-xdist; a heavy test not marked so fails there (vLLM's interpreter is a tripwire).
+FAST_WORKERS ?= auto
+test-fast: venv services
+	@PEAGLE_TEST_LANE=fast $(VPY) -m pytest -m "not heavy" -n $(FAST_WORKERS) -q $(PYTEST_ARGS)
 
 run: venv vllm-env-first-run
 	@$(VPY) -m worker.run

@@ -1,8 +1,14 @@
-"""Shared fixtures: real services (PostgreSQL, Redis) and offline models.
+"""Shared fixtures: real services (PostgreSQL, Redis) and offline models, and the suite's two lanes.
 
 Services: a test that needs PostgreSQL or Redis asks for `postgres_url` / `redis_url`. If the service
 does not answer, the test is skipped with the reason, unless `PEAGLE_REQUIRE_SERVICES=1` (set by
 `.ci/run`), where it fails instead: CI must really use them.
+
+Lanes: `make test` runs every test. `make test-fast` (`PEAGLE_TEST_LANE=fast`, pytest-xdist over the
+cores) leaves out the heavy ones, marked here at collection: those marked `slow` (a real vLLM engine or
+SmolLM2 run) or `e2e` (a browser), and those asking for a worker stack (`HEAVY_FIXTURES`). In that lane
+a test that starts vLLM anyway fails (its interpreter is `tests/lane/vllm_tripwire.sh`) and so does one
+that builds a worker stack (`tests/worker/conftest.Stack`): a heavy test must say so to be left out.
 """
 
 from __future__ import annotations
@@ -15,8 +21,43 @@ from pathlib import Path
 
 import pytest
 
+from tests.lane import VLLM_TRIPWIRE, fast_lane, is_heavy
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_heavy(item):
+            item.add_marker(pytest.mark.heavy)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_lane_tripwire() -> Iterator[None]:
+    """In the fast lane, vLLM's interpreter is a tripwire: a test that starts vLLM fails, naming the lane."""
+    if not fast_lane():
+        yield
+        return
+    before = os.environ.get("PEAGLE_VLLM_PYTHON")
+    os.environ["PEAGLE_VLLM_PYTHON"] = str(VLLM_TRIPWIRE)
+    yield
+    if before is None:
+        os.environ.pop("PEAGLE_VLLM_PYTHON", None)
+    else:
+        os.environ["PEAGLE_VLLM_PYTHON"] = before
+
+
+def _redis_url() -> str:
+    """db 15, or under pytest-xdist one database per worker (gw0: 15, gw1: 14, ...): each worker flushes its
+    own at its start, never another's in use."""
+    url = os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    base, _, db = url.rpartition("/")
+    return f"{base}/{int(db) - int(worker[2:])}"
+
+
 PG_ADMIN_URL = os.environ.get("PEAGLE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = _redis_url()
 
 
 def _require_services() -> bool:

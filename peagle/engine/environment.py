@@ -34,7 +34,7 @@ __all__ = ["CHILD_PEAGLE_VARS", "SANDBOX_VARS", "child_env", "sandbox_env", "vll
 #: regeneration cache (`peagle.data.regenerate_cache`), the engine's GPUs (`peagle.target.runtime`), the
 #: CLI's traceback switch, and the job and attempt the supervisor names.
 CHILD_PEAGLE_VARS: tuple[str, ...] = (
-    "PEAGLE_CPU_GEMM", "PEAGLE_VLLM_PYTHON", "PEAGLE_CACHE", "PEAGLE_REGEN_CACHE", "PEAGLE_ENGINE_DEVICES",
+    "PEAGLE_CPU_GEMM", "PEAGLE_CPU_FLAGS", "PEAGLE_VLLM_PYTHON", "PEAGLE_CACHE", "PEAGLE_REGEN_CACHE", "PEAGLE_ENGINE_DEVICES",
     "PEAGLE_DEBUG", "PEAGLE_JOB_ID", "PEAGLE_ATTEMPT",
 )  # fmt: skip
 
@@ -46,8 +46,9 @@ _NAMES = frozenset({
     # Python
     "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS",
     "PYTHONFAULTHANDLER", "PYTHONMALLOC", "PYTHONIOENCODING", "PYTHONUTF8",
-    # oneDNN kernel-cache bounds (peagle.ONEDNN_CACHE_BOUNDS), tokenizers, progress bars
-    "LRU_CACHE_CAPACITY", "TOKENIZERS_PARALLELISM", "TQDM_DISABLE", "DO_NOT_TRACK",
+    # oneDNN kernel-cache bounds (peagle.ONEDNN_CACHE_BOUNDS), torch's widest CPU kernels (ATen's dispatch:
+    # an AVX-512 machine run as an AVX2 one, docs/testing.md 3), tokenizers, progress bars
+    "LRU_CACHE_CAPACITY", "ATEN_CPU_CAPABILITY", "TOKENIZERS_PARALLELISM", "TQDM_DISABLE", "DO_NOT_TRACK",
     # CUDA
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "CUDA_PATH", "CUDA_LAUNCH_BLOCKING",
     "CUDA_MODULE_LOADING", "CUDA_CACHE_PATH", "CUBLAS_WORKSPACE_CONFIG",

@@ -3,10 +3,14 @@ idempotent reads succeed (retried once on a fresh connection) instead of answeri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
+#: Answers between two kills of the API's connections while writes run (test_writes_survive_...).
+KILL_EVERY = 20
 
 Sim = Any
 
@@ -39,16 +43,21 @@ def test_reads_survive_dropped_database_connections(client: TestClient, alice: d
         assert _drop_connections(db_url) >= 1
 
 
-def _post_webhooks(url: str, headers: dict, n: int, *, workers: int = 24) -> list[int]:
-    """`n` POST /v1/webhooks (a non-idempotent write) from `workers` threads at once; their statuses."""
+def _post_webhooks(url: str, headers: dict, n: int, *, workers: int = 24,
+                   answered: Callable[[], None] | None = None) -> list[int]:
+    """`n` POST /v1/webhooks (a non-idempotent write) from `workers` threads at once; their statuses
+    (`answered()` is called after each answer)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
     def one(i: int) -> int:
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
-            return c.post("/v1/webhooks", json={"url": f"https://example.com/h{i}", "events": ["job.failed"]}
-                          ).status_code
+            status = c.post("/v1/webhooks", json={"url": f"https://example.com/h{i}", "events": ["job.failed"]}
+                            ).status_code
+        if answered is not None:
+            answered()
+        return status
 
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(one, range(n)))
@@ -65,7 +74,6 @@ def test_writes_survive_dropped_database_connections(settings_factory: Any, live
     where a COMMIT was under way (outcome unknown); every 201 is exactly one row, nothing is written twice."""
     import logging
     import threading
-    import time
 
     import sqlalchemy as sa
 
@@ -81,19 +89,35 @@ def test_writes_survive_dropped_database_connections(settings_factory: Any, live
         stale = _post_webhooks(srv.url, alice, 150)  # every pooled connection is stale
         assert warm.count(201) == 48 and stale.count(201) == 150, {s: stale.count(s) for s in set(stale)}
         assert "retrying once" in caplog.text
+        # A kill after every KILL_EVERY answers, not by the clock: how many writes meet two kills then does not
+        # depend on the machine's speed (every 150 ms, a loaded 2-core machine got 93 of 150 through, an idle one
+        # over 100). 150 answers: 7 kills while 24 clients write.
         stop = threading.Event()
+        progress = threading.Condition()
+        answers = [0]
+
+        def answered() -> None:
+            with progress:
+                answers[0] += 1
+                progress.notify_all()
 
         def killer() -> None:
+            due = KILL_EVERY
             while not stop.is_set():
-                time.sleep(0.15)
-                _drop_connections(db_url)
+                with progress:
+                    progress.wait_for(lambda due=due: stop.is_set() or answers[0] >= due, timeout=1.0)
+                if not stop.is_set() and answers[0] >= due:
+                    _drop_connections(db_url)
+                    due += KILL_EVERY
 
         t = threading.Thread(target=killer)
         t.start()
         try:
-            during = _post_webhooks(srv.url, alice, 150)
+            during = _post_webhooks(srv.url, alice, 150, answered=answered)
         finally:
             stop.set()
+            with progress:
+                progress.notify_all()
             t.join()
     again = caplog.text.count("dropped again on the retry")
     assert during.count(500) <= again and set(during) <= {201, 500, 503}, {s: during.count(s) for s in set(during)}

@@ -101,7 +101,11 @@ class Stack:
                  fake_trainer: bool) -> None:
         from service.db.session import make_engine, make_session_factory
         from service.settings import Settings
+        from tests.lane import fast_lane
 
+        if fast_lane():
+            pytest.fail("a worker stack in the fast lane: mark this test slow, or ask for `make_stack` or "
+                        "`stack` (tests/lane), and make test runs it", pytrace=False)
         self.tmp = tmp
         self.queue = f"q{uuid.uuid4().hex[:8]}"
         self.env = {

@@ -40,8 +40,22 @@ def test_read_cpu_flags_reads_the_flags_line(tmp_path: Path) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 fma\nbugs\t\t: sysret_ss_attrs\n"
                     "\nprocessor\t: 1\nflags\t\t: fpu avx2 fma\n")
-    assert read_cpu_flags(info) == {"fpu", "avx2", "fma"}
-    assert read_cpu_flags(tmp_path / "missing") == frozenset()
+    assert read_cpu_flags(info, environ={}) == {"fpu", "avx2", "fma"}
+    assert read_cpu_flags(tmp_path / "missing", environ={}) == frozenset()
+
+
+def test_declared_cpu_flags_replace_the_machines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PEAGLE_CPU_FLAGS` (docs/testing.md 3): the suite runs `auto` as an AVX2-only machine does, on any CPU."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert read_cpu_flags(info, environ={"PEAGLE_CPU_FLAGS": "avx2, fma"}) == {"avx2", "fma"}
+    assert read_cpu_flags(info, environ={"PEAGLE_CPU_FLAGS": "  "}) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    monkeypatch.setenv("PEAGLE_CPU_FLAGS", "avx2")
+    spec = parse_spec({"target": {"model": "builtin:tiny-llama"}})
+    assert resolve_dtype(spec, torch.device("cpu")) == torch.float32  # whatever this machine has
+    from peagle.engine.environment import child_env
+
+    assert child_env()["PEAGLE_CPU_FLAGS"] == "avx2"  # the trainer and the engines decide alike
 
 
 @pytest.mark.parametrize("name", ["demo", "gpu-llama3-8b", "gpu-qwen3-8b"])

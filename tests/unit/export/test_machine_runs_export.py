@@ -15,11 +15,12 @@ from peagle.engine.machine import (
     vllm_runs_on_cpu,
 )
 from peagle.export.rules import validate_export
+from tests.lane import vllm_python_to_read
 
 
 def test_head_sizes_match_vllm_cpu_attention() -> None:
     """The table is vLLM's own (`CPUAttentionBackend.get_supported_head_sizes`), read from its source."""
-    python = vllm_python()
+    python = vllm_python_to_read()
     src = None if python is None else next(python.parent.parent.glob(
         "lib/python*/site-packages/vllm/v1/attention/backends/cpu_attn.py"), None)
     if src is None:
