@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from peagle.spec.hardware import auto_target_dtype, cpu_facts
 from tests.api.conftest import make_settings
 
 VLLM_JOB = {"preset": "demo", "overrides": {"resources": {"target_engine": "vllm"}}}
@@ -42,8 +43,11 @@ def test_dry_run_shows_the_engine_and_the_feature_disk(client: TestClient, alice
     if not get_settings(**{"home": settings.home}).vllm_available():
         pytest.skip("this machine has no vLLM venv: the refusal is tested above")
     assert est["valid"] is True and est["target_engine"] == "vllm"
-    # SmolLM2 bf16 through the engine: aux 3 x 576 and final 576 in bf16, plus ids/mask/document id
-    assert est["feature_bytes_per_token"] == 4 * 576 * 2 + 24
+    # SmolLM2 through the engine: aux 3 x 576 and final 576 in the target's dtype, plus ids/mask/document id;
+    # `auto` is bf16 where this CPU runs it natively, else fp32 (docs/testing.md 3)
+    assert est["target_dtype"] == auto_target_dtype(device="cpu", facts=cpu_facts())
+    width = 2 if est["target_dtype"] == "bfloat16" else 4
+    assert est["feature_bytes_per_token"] == 4 * 576 * width + 24
     assert est["offline_dump_bytes"] >= est["tokens"] * est["feature_bytes_per_token"]
     assert est["hidden_state_bytes"] == est["offline_dump_bytes"]  # the demo captures offline
     assert est["phase_seconds"]["regenerating"] > 60  # the demo regenerates its answers with the target
