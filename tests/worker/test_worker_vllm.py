@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from peagle.spec.hardware import auto_target_dtype, cpu_facts
 from service.db.models import JobLog
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -82,7 +83,11 @@ def test_whole_job_with_the_target_in_vllm(make_stack, processes_mentioning):
     report = json.loads((run / "data" / "report.json").read_text())
     assert report["funnel"]["kept"] > 0
     manifest = json.loads((run / "data" / "features" / "train" / "manifest.json").read_text())
-    assert manifest["complete"] is True and manifest["aux_dtype"] == "bfloat16"
+    # the engine's features are stored in the target's dtype, which `auto` makes bf16 only where this CPU runs
+    # it natively (float32 on an AVX2-only one, docs/testing.md 3)
+    dtype = auto_target_dtype(device="cpu", facts=cpu_facts())
+    assert job.resolved_spec["target"]["dtype"] == dtype
+    assert manifest["complete"] is True and manifest["aux_dtype"] == dtype
     # eval.engine resolved to vllm: the evaluation itself loads the export in vLLM with parallel drafting
     ev = json.loads((run / "export" / "eval.json").read_text())
     assert ev["engine"] == "vllm" and ev["parallel_drafting_ok"] is True, ev
