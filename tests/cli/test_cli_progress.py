@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from peagle.errors import EXIT_CODES
+from tests.waiting import wait_until
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # no OpenMP spin-waits on a shared CPU
 
@@ -183,10 +184,18 @@ def test_the_vllm_probe_gets_a_heartbeat_line_while_it_runs() -> None:
     from peagle.progress import RecordingSink
 
     sink = RecordingSink()
+
+    def beats() -> list[str]:
+        return [r["message"] for r in sink.records if r["type"] == "log"]
+
+    # waits for three lines, not 0.9 s by the clock (a loaded machine may starve the thread); a line needs
+    # every_s of silence, so no more than one per 0.2 s of the block
+    start = time.monotonic()
     with _heartbeat(sink, "vLLM probe", every_s=0.2):
-        time.sleep(0.9)
-    lines = [r["message"] for r in sink.records if r["type"] == "log"]
-    assert 3 <= len(lines) <= 5 and all(line.startswith("vLLM probe: running for ") for line in lines), lines
+        wait_until(lambda: len(beats()) >= 3, 60, "three heartbeat lines", every=0.05)
+    elapsed = time.monotonic() - start
+    lines = beats()
+    assert 3 <= len(lines) <= elapsed / 0.2 and all(line.startswith("vLLM probe: running for ") for line in lines), lines
     time.sleep(0.4)
     assert len([r for r in sink.records if r["type"] == "log"]) == len(lines)  # stops with the block
 
@@ -201,15 +210,18 @@ def test_the_probe_progress_lines_are_forwarded_as_they_come(tmp_path: Path) -> 
     assert PROBE_PREFIX == PROGRESS_PREFIX  # the probe imports no peagle: the two constants must agree
     log = tmp_path / "vllm.log"
     sink = RecordingSink()
+
+    def logs() -> list[str]:
+        return [r["message"] for r in sink.records if r["type"] == "log"]
+
     with _heartbeat(sink, "vLLM probe", every_s=30.0, log=log):
         time.sleep(0.3)
         with log.open("a") as fh:
             fh.write("INFO vllm loading\npeagle-probe: speedup K=1 (1/2), round 1/2, batch size 1\npeagle-probe: half")
             fh.flush()
-            time.sleep(1.5)
-            lines = [r["message"] for r in sink.records if r["type"] == "log"]
-            assert lines == ["vLLM probe: speedup K=1 (1/2), round 1/2, batch size 1"]
+            # the whole line comes as soon as the thread reads the file; the half line, read with it, waits
+            wait_until(lambda: logs() != [], 60, "the probe's first line forwarded", every=0.05)
+            assert logs() == ["vLLM probe: speedup K=1 (1/2), round 1/2, batch size 1"]
             fh.write(" a line\n")
-        time.sleep(1.5)
-    lines = [r["message"] for r in sink.records if r["type"] == "log"]
-    assert lines == ["vLLM probe: speedup K=1 (1/2), round 1/2, batch size 1", "vLLM probe: half a line"]
+        wait_until(lambda: len(logs()) >= 2, 60, "the finished half line forwarded", every=0.05)
+    assert logs() == ["vLLM probe: speedup K=1 (1/2), round 1/2, batch size 1", "vLLM probe: half a line"]
