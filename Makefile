@@ -106,7 +106,8 @@ test: venv deps services vllm-env-if-possible peer-env-if-possible
 
 # The fast lane (docs/testing.md 1): every test not marked heavy at collection (tests/lane), over the cores
 # with pytest-xdist; a heavy test not marked so fails there (vLLM's interpreter is a tripwire).
-FAST_WORKERS ?= auto
+# At most 8 workers: each has its own Redis database of the 16 (tests/conftest.py).
+FAST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n : 8 )))
 test-fast: venv services
 	@PEAGLE_TEST_LANE=fast $(VPY) -m pytest -m "not heavy" -n $(FAST_WORKERS) -q $(PYTEST_ARGS)
 

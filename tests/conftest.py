@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lane import VLLM_TRIPWIRE, fast_lane, is_heavy
+from tests.lane import fast_lane, is_heavy, vllm_tripwire
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,13 +36,8 @@ def _fast_lane_tripwire() -> Iterator[None]:
     if not fast_lane():
         yield
         return
-    before = os.environ.get("PEAGLE_VLLM_PYTHON")
-    os.environ["PEAGLE_VLLM_PYTHON"] = str(VLLM_TRIPWIRE)
-    yield
-    if before is None:
-        os.environ.pop("PEAGLE_VLLM_PYTHON", None)
-    else:
-        os.environ["PEAGLE_VLLM_PYTHON"] = before
+    with vllm_tripwire():
+        yield
 
 
 def _redis_url() -> str:
@@ -53,7 +48,11 @@ def _redis_url() -> str:
     if not worker.startswith("gw"):
         return url
     base, _, db = url.rpartition("/")
-    return f"{base}/{int(db) - int(worker[2:])}"
+    mine = int(db) - int(worker[2:])
+    if mine < 0:
+        raise pytest.UsageError(f"xdist worker {worker} has no Redis database of its own below db {db}: "
+                                "run fewer workers (make test-fast FAST_WORKERS=8)")
+    return f"{base}/{mine}"
 
 
 PG_ADMIN_URL = os.environ.get("PEAGLE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -8,11 +8,14 @@ refuses to start, so a heavy test that does not say so fails there instead of sl
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-__all__ = ["HEAVY_FIXTURES", "HEAVY_MARKERS", "VLLM_TRIPWIRE", "fast_lane", "is_heavy", "vllm_python_to_read"]
+__all__ = ["HEAVY_FIXTURES", "HEAVY_MARKERS", "VLLM_TRIPWIRE", "fast_lane", "is_heavy", "real_vllm_env",
+           "vllm_python_to_read", "vllm_tripwire"]
 
 #: Fixtures that start real Celery worker processes (a worker stack): their tests are heavy.
 HEAVY_FIXTURES = frozenset({"make_stack", "stack"})
@@ -34,13 +37,42 @@ def is_heavy(item: pytest.Item) -> bool:
     return bool(HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+#: What `PEAGLE_VLLM_PYTHON` was before `vllm_tripwire` replaced it (None: unset).
+_before_tripwire: list[str | None] = [None]
+
+
+@contextmanager
+def vllm_tripwire() -> Iterator[None]:
+    """`PEAGLE_VLLM_PYTHON` is `VLLM_TRIPWIRE` inside the block (the fast lane's session), as it was after."""
+    from peagle.engine.locate import VLLM_PYTHON_ENV
+
+    _before_tripwire[0] = os.environ.get(VLLM_PYTHON_ENV)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(VLLM_PYTHON_ENV, str(VLLM_TRIPWIRE))
+        yield
+
+
+def real_vllm_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with `PEAGLE_VLLM_PYTHON` as it was before the tripwire (for a child that must find vLLM)."""
+    from peagle.engine.locate import VLLM_PYTHON_ENV
+
+    if env.get(VLLM_PYTHON_ENV) != str(VLLM_TRIPWIRE):
+        return env
+    out = {k: v for k, v in env.items() if k != VLLM_PYTHON_ENV}
+    if _before_tripwire[0] is not None:
+        out[VLLM_PYTHON_ENV] = _before_tripwire[0]
+    return out
+
+
 def vllm_python_to_read() -> Path | None:
     """vLLM's interpreter for a test that only reads vLLM's installed files (never runs it): the real one in
     the fast lane too, where `peagle.engine.locate.vllm_python` answers the tripwire."""
-    from peagle.engine.locate import vllm_python
+    from peagle.engine.locate import VLLM_PYTHON_ENV, vllm_python
 
-    found = vllm_python()
-    if found == VLLM_TRIPWIRE:
-        real = Path(__file__).resolve().parents[2] / ".vllm-venv" / "bin" / "python"
-        return real if real.is_file() else None
-    return found
+    real = real_vllm_env(dict(os.environ)).get(VLLM_PYTHON_ENV)
+    with pytest.MonkeyPatch.context() as mp:
+        if real is None:
+            mp.delenv(VLLM_PYTHON_ENV, raising=False)
+        else:
+            mp.setenv(VLLM_PYTHON_ENV, real)
+        return vllm_python()

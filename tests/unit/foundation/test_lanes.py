@@ -8,16 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.lane import VLLM_TRIPWIRE
+from tests.lane import VLLM_TRIPWIRE, real_vllm_env
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _pytest(*args: str, lane: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PEAGLE_TEST_LANE": lane}
+    env = real_vllm_env({**os.environ, "PEAGLE_TEST_LANE": lane})  # this run may be the fast lane itself
     env.pop("PYTEST_XDIST_WORKER", None)
-    if env.get("PEAGLE_VLLM_PYTHON") == str(VLLM_TRIPWIRE):  # this run is the fast lane itself
-        env.pop("PEAGLE_VLLM_PYTHON")
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
 
