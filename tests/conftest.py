@@ -4,8 +4,8 @@ Services: a test that needs PostgreSQL or Redis asks for `postgres_url` / `redis
 does not answer, the test is skipped with the reason, unless `PEAGLE_REQUIRE_SERVICES=1` (set by
 `.ci/run`), where it fails instead: CI must really use them.
 
-Lanes: `make test` runs every test. `make test-fast` (`PEAGLE_TEST_LANE=fast`, pytest-xdist over the
-cores) leaves out the heavy ones, marked here at collection: those marked `slow` (a real vLLM engine or
+Lanes: `make test` runs every test, in two pytest runs: the fast lane, then the heavy tests one at a time.
+`make test-fast` (`PEAGLE_TEST_LANE=fast`, pytest-xdist over the cores) leaves out the heavy ones, marked here at collection: those marked `slow` (a real vLLM engine or
 SmolLM2 run) or `e2e` (a browser), and those asking for a worker stack (`HEAVY_FIXTURES`). In that lane
 a test that starts vLLM anyway fails (its interpreter is `tests/lane/vllm_tripwire.sh`) and so does one
 that builds a worker stack (`tests/worker/conftest.Stack`): a heavy test must say so to be left out.

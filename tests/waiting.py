@@ -31,3 +31,31 @@ def processes_mentioning(marker: str) -> list[int]:
         if marker in cmd and state != "Z":
             out.append(int(entry.name))
     return out
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` has ended (no such process, or a zombie waiting for its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """Live processes below `pid` (children, their children, ...), read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in found:
+                found.add(child)
+                todo.append(child)
+    return {p for p in found if not gone(p)}

@@ -27,3 +27,13 @@ def test_times_are_summed_per_folder_slowest_first(tmp_path: Path, capsys) -> No
 
 def test_a_missing_report_is_an_error(tmp_path: Path) -> None:
     assert main([str(tmp_path / "none.xml")]) == 1
+
+
+def test_the_two_lanes_reports_add_up(tmp_path: Path, capsys) -> None:
+    light, heavy = tmp_path / "junit-light.xml", tmp_path / "junit-heavy.xml"
+    light.write_text(REPORT)
+    heavy.write_text(REPORT.replace("test_split_job", "test_worker_vllm"))
+    assert by_folder(light, heavy) == [("tests/worker", 20.5, 2), ("tests/api", 7.0, 4), ("tests", 1.0, 2)]
+    assert main([str(light), str(heavy)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:3] == ["total", "28.5", "8"]
+    assert main([str(light), str(tmp_path / "none.xml")]) == 1  # one missing report is an error too

@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from peagle.engine.server import EngineConfig, VllmServer
 from tests.cli.conftest import smollm2_and_draft
-from tests.waiting import wait_until
+from tests.waiting import descendants, wait_until
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +62,14 @@ def test_sigkill_of_the_trainer_during_a_probe_leaves_no_process_and_no_temp_fol
     try:
         wait_until(lambda: processes_mentioning(marker) or trainer.poll() is not None, 120, "the probe")
         assert trainer.poll() is None, "the trainer ended before its probe started"
-        time.sleep(3)  # the probe is loading vLLM
+        # the probe is loading vLLM: below the guard and the probe (both name the folder) vLLM's own engine
+        # processes have started (multiprocessing's, which do not)
+        def loading() -> bool:
+            named = set(processes_mentioning(marker))
+            return bool({d for p in named for d in descendants(p)} - named)
+
+        wait_until(lambda: loading() or trainer.poll() is not None, 300, "the probe to start vLLM's engine processes")
+        assert trainer.poll() is None, "the trainer ended while its probe started vLLM"
         probes = set(processes_mentioning(marker))
         assert probes and leftovers(tmp), "the probe and its temp folder"
         leaked = {pid: sorted(set(SECRETS) & set(environ_of(pid))) for pid in probes}
