@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 from sqlalchemy.orm import Session
@@ -35,11 +35,14 @@ from service.db import repo
 from service.db.models import ApiKey, AuthSession, utcnow
 
 if TYPE_CHECKING:
-    from api.deps import AppState
+    from sqlalchemy.orm import sessionmaker
+
+    from service.settings import Settings
 
 __all__ = [
     "AUTH_CACHE_S",
     "SESSION_COOKIE",
+    "AuthState",
     "PrincipalCache",
     "authenticate",
     "authorize",
@@ -66,6 +69,15 @@ class PrincipalCache:
     ttl_s: float = AUTH_CACHE_S
     entries: dict[str, tuple[repo.Principal | None, float]] = field(default_factory=dict)
     inflight: dict[str, asyncio.Future[repo.Principal | None]] = field(default_factory=dict)
+
+
+class AuthState(Protocol):
+    """What authentication uses of the app's state (`api.deps.AppState` is one): stated here, so this
+    module stands below `api.deps` and imports nothing of it."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    principals: PrincipalCache
 
 
 def _b64(raw: bytes) -> str:
@@ -119,12 +131,12 @@ def _principal_from_session(session: Session, session_id: str) -> repo.Principal
     return _principal_from_key_id(session, row.key_id)
 
 
-def forget_session(state: AppState, session_id: str) -> None:
+def forget_session(state: AuthState, session_id: str) -> None:
     """Drop a signed-out session from this process's auth cache (other processes: within `AUTH_CACHE_S`)."""
     state.principals.entries.pop(f"s:{session_id}", None)
 
 
-def _lookup(state: AppState, cache_key: str, load: Load) -> repo.Principal | None:
+def _lookup(state: AuthState, cache_key: str, load: Load) -> repo.Principal | None:
     """Principal from the per-app TTL cache, else from the database (own short session, in a thread)."""
     cache = state.principals
     hit = cache.entries.get(cache_key)
@@ -141,7 +153,7 @@ def _lookup(state: AppState, cache_key: str, load: Load) -> repo.Principal | Non
     return principal
 
 
-async def authenticate(request: Request, state: AppState, token: str | None, purpose: str | None = None
+async def authenticate(request: Request, state: AuthState, token: str | None, purpose: str | None = None
                        ) -> repo.Principal:
     """The caller of `request` by its credentials (see the module docstring), else `ApiError` 401.
 
@@ -203,7 +215,7 @@ async def authenticate(request: Request, state: AppState, token: str | None, pur
 _MISS: Any = object()
 
 
-async def _lookup_once(state: AppState, cache_key: str, load: Load) -> repo.Principal | None:
+async def _lookup_once(state: AuthState, cache_key: str, load: Load) -> repo.Principal | None:
     """`_lookup` in a threadpool thread, at most one at a time per key in this process.
 
     When a key's entry expires, every request in flight with that key misses at once (100 closed-loop
@@ -232,7 +244,7 @@ async def _lookup_once(state: AppState, cache_key: str, load: Load) -> repo.Prin
     return await asyncio.shield(task)
 
 
-def _cached(state: AppState, cache_key: str) -> Any:
+def _cached(state: AuthState, cache_key: str) -> Any:
     hit = state.principals.entries.get(cache_key)
     if hit is not None and hit[1] > time.monotonic():
         return hit[0]

@@ -16,15 +16,12 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
-from api.uploads import run_sandboxed
+from api.uploads import UploadState, run_sandboxed
 from peagle.spec.schema import DataSource
 from service.db.models import Dataset
 from service.settings import Settings
-
-if TYPE_CHECKING:
-    from api.deps import AppState
 
 __all__ = ["FORMATS", "VALIDATOR", "public_report", "run_validator", "validator_command"]
 
@@ -41,7 +38,7 @@ def validator_command(path: Path, fmt: str, settings: Settings) -> list[str]:
             "--max-row-bytes", str(settings.max_dataset_row_bytes)]
 
 
-async def run_validator(path: Path, fmt: str, state: AppState, *, home: Path) -> dict[str, Any]:
+async def run_validator(path: Path, fmt: str, state: UploadState, *, home: Path) -> dict[str, Any]:
     """The validator's report for `path` (`{ok, error, format, rows_kept, ...}`), run in the sandbox with
     HOME `home`; a breach of a sandbox limit is `{ok: false, error: <the refusal naming it>, limit}`."""
     out = await run_sandboxed(validator_command(path, fmt, state.settings), cwd=path.parent, home=home, state=state)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from redis import Redis as SyncRedis
 
     from api.live import LiveHub
-    from api.main import ServiceMetrics
+    from api.metrics import ServiceMetrics
 
 __all__ = [
     "DB",

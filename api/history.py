@@ -1,4 +1,4 @@
-"""Measured phases of earlier jobs, for the dry-run estimate (`api.estimate`).
+"""Measured phases of earlier jobs, for the dry-run estimate (the cost model, `service.estimate`).
 
 What is measured per finished job is already recorded: the trainer's `phase` events (with their times) and
 its `data` event (the counted funnel: conversations read, packed rows) in `job_event`, the job's resolved
@@ -6,7 +6,7 @@ spec (target, dtype, engines, device, `optim.max_steps` = the steps it ran), the
 job row (`worker/provenance.py`: the CPU's hardware class), and the run's data report
 (`RUN/data/report.json`: the tokens its regeneration generated, 0 when every answer came from the cache).
 A job counts when it succeeded in one attempt (a resumed job's phases overlap) on the same queue; which of
-them are comparable to the job being estimated is `api.estimate`'s decision (`Comparable`).
+them are comparable to the job being estimated is `service.estimate`'s decision (`Comparable`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from api.estimate import PHASE_GROUPS, Comparable, Measured
 from peagle.spec import SpecInvalidError, parse_spec
 from peagle.spec.hardware import hardware_class
 from service.db import states
 from service.db.models import Job, JobEvent
+from service.estimate import PHASE_GROUPS, Comparable, Measured
 
 __all__ = ["history", "job_hardware", "phase_seconds"]
 

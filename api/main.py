@@ -8,19 +8,17 @@ Importing this module never imports torch (checked by a test).
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from api.deps import AppState
 from api.errors import install_error_handlers
 from api.limits import BodyLimitMiddleware
+from api.metrics import MetricsMiddleware, ServiceMetrics
 from api.retry import RetryMiddleware
 from service.settings import Settings, get_settings
 
@@ -39,51 +37,6 @@ into the spec, e.g. `/peagle/num_depths`); 422 lists every problem in `details`.
 Job states: queued -> running -> succeeded | failed; running -> pausing -> paused -> queued (resume);
 running/pausing -> cancelling -> cancelled; queued/paused -> cancelled. Illegal transitions are 409.
 """
-
-
-class ServiceMetrics:
-    """Prometheus metrics of one app (its own registry)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("peagle_http_requests", "HTTP requests", ["method", "route", "status"],
-                                registry=self.registry)
-        self.latency = Histogram("peagle_http_request_seconds", "HTTP request latency", ["method", "route"],
-                                 registry=self.registry,
-                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
-        self.streams = Gauge("peagle_open_streams", "Open SSE streams", registry=self.registry)
-
-
-class MetricsMiddleware:
-    """Pure ASGI middleware: counts requests and observes latency per route template."""
-
-    def __init__(self, app: Any, metrics: ServiceMetrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = {"code": 500}
-        is_stream = scope.get("path", "").endswith("/stream")
-        if is_stream:
-            self.metrics.streams.inc()
-
-        async def _send(msg: dict) -> None:
-            if msg["type"] == "http.response.start":
-                status["code"] = msg["status"]
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, _send)
-        finally:
-            if is_stream:
-                self.metrics.streams.dec()
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.requests.labels(scope["method"], route, str(status["code"])).inc()
-            if not is_stream:
-                self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
 
 
 def _build_state(settings: Settings, metrics: ServiceMetrics) -> AppState:

@@ -76,7 +76,7 @@ WEBHOOK_URL_PATTERN = (
 )
 
 
-#: `JobCreate`'s rule, stated in its schema (`_resolve_spec` in api/routes/jobs.py enforces it with messages):
+#: `JobCreate`'s rule, stated in its schema (`api.submission.resolve_spec` enforces it with messages):
 #: exactly one of `spec` and `preset`, and `overrides` (non-empty) only with a preset.
 _SPEC_XOR_PRESET: dict[str, Any] = {"oneOf": [
     {"required": ["spec"], "properties": {"spec": {"type": "object"}, "preset": {"type": "null"}, "overrides": {

@@ -35,6 +35,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -52,27 +53,25 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 from python_multipart.multipart import MultipartParser, parse_options_header
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from api.archives import MAX_ENTRIES, ArchiveRefused
 from api.errors import ApiError
 from peagle.engine import sandbox
+from peagle.run_folder import inside
 from service.db.models import Dataset, DraftUpload, new_id, utcnow
 from service.settings import Settings
 
-if TYPE_CHECKING:
-    from api.deps import AppState
-
 __all__ = [
     "DATASET", "DRAFT", "INVALID", "KINDS", "MAX_ENTRIES", "PARTIAL_PREFIX", "ArchiveRefused", "Kind",
-    "QuotaExceeded", "QuotaLedger", "Received", "Upload", "begin", "check_upload_allowed", "export_validator_command",
-    "run_sandboxed", "sandbox_limits", "sweep_leftovers", "used_bytes", "validate_export",
+    "QuotaExceeded", "QuotaLedger", "Received", "Upload", "UploadState", "begin", "check_upload_allowed",
+    "export_validator_command", "run_sandboxed", "sandbox_limits", "sweep_leftovers", "used_bytes", "validate_export",
 ]  # fmt: skip
 
 log = logging.getLogger("peagle.api")
@@ -151,7 +150,7 @@ class _Owner:
 
 
 class QuotaLedger:
-    """Per API process: what each owner's uploads in flight hold (`AppState.quotas`). Thread-safe (the
+    """Per API process: what each owner's uploads in flight hold (`UploadState.quotas`). Thread-safe (the
     unpacking runs in a threadpool thread); the lock is never held across I/O."""
 
     def __init__(self) -> None:
@@ -169,6 +168,15 @@ class QuotaLedger:
         """Owners with uploads in flight."""
         with self._lock:
             return list(self._owners)
+
+
+class UploadState(Protocol):
+    """What an upload uses of the app's state (`api.deps.AppState` is one; declared here, below it)."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    quotas: QuotaLedger
+    validator_slots: asyncio.Semaphore  # sandboxed parsers at once (`run_sandboxed`)
 
 
 class Hold:
@@ -288,7 +296,7 @@ class Upload:
     """One upload in flight (made by `begin`): `id`, its temporary folder `partial`, its final folder
     `final`, the sandbox's HOME `home` (inside `partial`, removed before the upload is measured)."""
 
-    def __init__(self, state: AppState, owner_id: int, kind: Kind, hold: Hold) -> None:
+    def __init__(self, state: UploadState, owner_id: int, kind: Kind, hold: Hold) -> None:
         self.state, self.owner_id, self.kind, self.hold = state, owner_id, kind, hold
         self.id = new_id(kind.id_prefix)
         owner_dir = state.settings.resolved_dataset_root() / str(owner_id)
@@ -419,7 +427,7 @@ class Upload:
             written = await run_in_threadpool(_disk_bytes, dest)
             self.hold.give_back(max(0, declared - written))
             folder = (self.partial / str(done["folder"])).resolve()
-            if not (folder == dest.resolve() or folder.is_relative_to(dest.resolve())) or not folder.is_dir():
+            if not inside(folder, dest) or not folder.is_dir():
                 raise ArchiveRefused("the unpacked export folder is not inside the upload's folder")
             return folder
         finally:
@@ -473,7 +481,7 @@ class Upload:
 
 
 @asynccontextmanager
-async def begin(state: AppState, owner_id: int, kind: Kind) -> AsyncIterator[Upload]:
+async def begin(state: UploadState, owner_id: int, kind: Kind) -> AsyncIterator[Upload]:
     """One upload of `kind` by `owner_id`: the count and rate limits and the quota checked before the body
     is read (module docstring), its temporary folder made. On any error (a refusal, a dropped connection,
     a cancelled request) its files are deleted and its bytes given back."""
@@ -553,9 +561,9 @@ def sandbox_limits(settings: Settings) -> sandbox.Limits:
                           file_bytes=settings.sandbox_file_bytes, wall_seconds=settings.sandbox_wall_seconds)
 
 
-async def run_sandboxed(cmd: list[str], *, cwd: Path, home: Path, state: AppState, file_bytes: int | None = None,
+async def run_sandboxed(cmd: list[str], *, cwd: Path, home: Path, state: UploadState, file_bytes: int | None = None,
                         what: str = "validation") -> sandbox.Outcome:
-    """Run a parser of tenant bytes in the sandbox, waiting for one of `AppState.validator_slots`.
+    """Run a parser of tenant bytes in the sandbox, waiting for one of `UploadState.validator_slots`.
 
     `file_bytes`: the largest file it may write, when it writes the tenant's files (an unpacked archive);
     None = `Settings.sandbox_file_bytes`. `what` names the work in a refusal.
@@ -572,7 +580,7 @@ def export_validator_command(folder: Path) -> list[str]:
     return [sys.executable, "-m", "peagle", "validate", folder.name, "--json", "--portable"]
 
 
-async def validate_export(folder: Path, state: AppState, *, home: Path) -> dict[str, Any]:
+async def validate_export(folder: Path, state: UploadState, *, home: Path) -> dict[str, Any]:
     """The export validator's verdict on `folder` ({ok, errors, warnings}); a sandbox breach is
     {ok: false, errors: [the refusal naming the limit], limit}."""
     out = await run_sandboxed(export_validator_command(folder), cwd=folder.parent, home=home, state=state)

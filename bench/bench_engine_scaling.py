@@ -44,16 +44,15 @@ def _rows(n: int) -> Any:
 
 def prepare(d: Path, conversations: int, chunk: int) -> int:
     """Write the plan (every chunk released); returns the number of chunks."""
-    from peagle.fileio import atomic_write_json
-    from peagle.target.remote import capture_plan, write_plan
+    from peagle.split.protocol import capture_plan, write_release
+    from peagle.target.remote import write_plan
 
     rows = _rows(conversations)
     plan = capture_plan(num_rows=len(rows), pack_length=int(rows.input_ids.shape[1]), hidden_size=576,
                         micro_batch_size=1, seed=0, total_micro_batches=len(rows), aux_layer_ids=AUX,
                         chunk_micro_batches=chunk)
     write_plan(d, plan, rows)
-    atomic_write_json(d / "release.json", {"generation": 1, "start": 0, "consumed": -1,
-                                           "released": len(plan["chunks"])})
+    write_release(d, generation=1, start=0, consumed=-1, released=len(plan["chunks"]))
     return len(plan["chunks"])
 
 
@@ -63,8 +62,9 @@ def executor(d: Path, k: int, core: int) -> None:
 
     from peagle.builtin import smollm2_dir
     from peagle.engine.server import CaptureOptions, EngineConfig, VllmServer
+    from peagle.split.protocol import read_plan
     from peagle.target.parts import load_target_parts
-    from peagle.target.remote import read_plan, run_capture_chunk
+    from peagle.target.remote import run_capture_chunk
     from peagle.target.vllm_capture import VllmCapture
 
     path = smollm2_dir()

@@ -5,7 +5,7 @@ first phases shortened (96 conversations, 40 steps, 4 HumanEval prompts, one spe
 the target in vLLM when `.vllm-venv` exists (regeneration, capture, AL and speedup there, answers regenerated
 from scratch: a fresh regeneration cache), into `.peagle/bench/estimate_run` (about 5-8 minutes on 2 quiet
 cores). Then each phase's measured seconds (the trainer's `phase` events in `RUN/progress.jsonl`) are
-compared with the calibrated model of `api.estimate` (no history: what a fresh service answers) for the
+compared with the calibrated model of `service.estimate` (no history: what a fresh service answers) for the
 same spec on this machine's hardware class: every phase that took at least `MIN_PHASE_S` must be within
 `WITHIN`x either way. Prints a table and a verdict; exit 1 when a phase missed.
 
@@ -30,10 +30,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from api.estimate import estimate, spec_hardware  # noqa: E402 - after the checkout is on the path
 from api.history import phase_seconds  # noqa: E402
 from peagle.spec import TrainSpec, parse_spec, preset  # noqa: E402
 from peagle.spec.hardware import cpu_facts  # noqa: E402
+from service.estimate import estimate, spec_hardware  # noqa: E402 - after the checkout is on the path
 
 RUN = ROOT / ".peagle" / "bench" / "estimate_run"
 RESULT = ROOT / "bench" / "results" / "estimate.json"

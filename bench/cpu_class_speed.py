@@ -1,4 +1,4 @@
-"""The dry-run estimate's CPU-class factors (`api.estimate` TARGET_SPEED, DRAFT_SPEED), measured here.
+"""The dry-run estimate's CPU-class factors (`service.estimate.calibration` TARGET_SPEED, DRAFT_SPEED), measured here.
 
     .venv/bin/python -m bench.cpu_class_speed        # about 5 minutes; writes bench/results/cpu_class_speed.json
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.builtin import _build_once, cache_root, smollm2_dir
+from peagle.run_folder import EXPORT
 
 __all__ = ["parity_draft_dir", "parity_draft_spec"]
 
@@ -94,7 +95,7 @@ def parity_draft_dir() -> Path:
             finally:
                 torch.set_num_threads(threads)
                 console.close()
-            shutil.copytree(Path(run) / "export", tmp / "export")
+            shutil.copytree(Path(run) / EXPORT, tmp / EXPORT)  # FOLDER/export, as a run folder's
 
     smollm2_dir()
     # the folder names the spec: a machine's cache built from another spec is not reused

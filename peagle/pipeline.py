@@ -31,16 +31,24 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peagle.errors import TargetLoadError
 from peagle.fileio import atomic_write_json
 from peagle.progress import ProgressLog, ProgressSink
+from peagle.run_folder import CHECKPOINTS, step_of
 from peagle.spec import HELDOUT_PROMPT_SET, TrainSpec
 from peagle.spec.targets import portable_verifier
 from peagle.start import MASK_HIDDEN_BATCHES, WarmStart, build_initial_draft, warm_start
+
+if TYPE_CHECKING:
+    from peagle.data.prepare import PreparedData
+    from peagle.data.prompts import PromptSources
+    from peagle.model.draft import PEagleDraft
+    from peagle.target.runtime import TargetRuntime
+    from peagle.train.loop import Trainer
 
 __all__ = ["MASK_HIDDEN_BATCHES", "PipelineResult", "WarmStart", "build_initial_draft", "run_pipeline", "verifier_name", "warm_start"]
 
@@ -122,8 +130,8 @@ def _newest_step(run: Path) -> int | None:
     hint, and a resumed run should not hash its checkpoint twice (the Trainer does)."""
     from peagle.train.checkpoint import find_resumable
 
-    ckpt = find_resumable(run / "checkpoints", check_hash=False)
-    return int(ckpt.name.removeprefix("step_")) if ckpt is not None else None
+    ckpt = find_resumable(run / CHECKPOINTS, check_hash=False)
+    return step_of(ckpt.name) if ckpt is not None else None
 
 
 def _resume_micro_batch(run: Path, grad_accumulation: int) -> int:
@@ -162,6 +170,36 @@ def _phase(sink: ProgressSink, phase: str, message: str) -> None:
     sink.event("phase", phase=phase, message=message)
 
 
+@dataclass
+class _Loaded:
+    """What the `validating` stage established: where the target runs and what the draft is built against."""
+
+    device: torch.device
+    base: TrainSpec  # the spec resolved for this machine (the step count is resolved after capture starts)
+    target: TargetRuntime  # the whole target (hf), or its frozen parts (vllm)
+    n_layers: int  # the target's layers
+    vocab_size: int  # the target's vocabulary (rows of its embeddings)
+    aux_ids: list[int]  # the target layers whose hidden states the draft reads
+    verifier: str  # what the export names as verifier (`verifier_name`)
+    k_eval: int  # speculative tokens of the evaluation (`eval.num_speculative_tokens` as resolved)
+
+
+@dataclass
+class _Data:
+    """What the data stages produced: the prepared rows, the draft vocabulary and the evaluation prompts.
+
+    `vocab`/`mask_token_id` are a warm start's own when `warm` is set (the parent's rows of lm_head mean the
+    parent's tokens); `own` is a resumed warm start's newest checkpoint (None otherwise).
+    """
+
+    prepared: PreparedData
+    vocab: Any  # DraftVocab
+    mask_token_id: int
+    warm: WarmStart | None
+    own: Path | None
+    sources: PromptSources
+
+
 def run_pipeline(
     spec: TrainSpec,
     run_dir: str | Path,
@@ -171,6 +209,11 @@ def run_pipeline(
     dataset_root: Path | None = None,
 ) -> PipelineResult:
     """Run the whole training pipeline of `spec` into `run_dir` (layout: module docstring).
+
+    The stages, in order: `_validate` (target, resolved spec), `_preview`, `_prepare` (data, vocabulary,
+    warm start, prompt sets), `_capture_and_train` (feature sources, run records, draft, trainer; skipped
+    when a resumed run's training is complete), then the evaluation end (`peagle.eval.final.evaluate_run`:
+    evaluation, export, serve check).
 
     Args:
         spec: the validated job spec.
@@ -183,25 +226,45 @@ def run_pipeline(
         The `peagle.errors` classes (spec/data/target/export/resource/checkpoint problems) and
         `TrainingInterrupted` after a SIGTERM (checkpoint saved).
     """
-    from peagle.data.packing import document_prompts
-    from peagle.data.prepare import prepare_data
-    from peagle.data.prompts import PromptSources
-    from peagle.engine.locate import vllm_available
     from peagle.eval.final import evaluate_run
-    from peagle.eval.live import al_hook
-    from peagle.export.writer import export_draft
-    from peagle.model.draft import PEagleDraft
-    from peagle.target.capture import resolve_aux_layer_ids
-    from peagle.target.loader import device_facts
-    from peagle.target.runtime import feature_sources, load_target_runtime, wait_for_rank0
-    from peagle.train.checkpoint import find_resumable
-    from peagle.train.loop import Trainer, resolve_device
-    from peagle.train.optim import total_steps
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     result = PipelineResult(run_dir=run)
     raw_sink, sink = sink, ProgressLog(sink)  # phase changes and a step line every LOG_EVERY_S s in the job log
+
+    loaded = _validate(spec, sink)
+    if spec.preview.conversations > 0:
+        _preview(spec, loaded.base, loaded.target, run, sink=raw_sink, log=sink, device=loaded.device,
+                 aux_ids=loaded.aux_ids, resume=resume, dataset_root=dataset_root)
+    data = _prepare(spec, loaded, run, sink, resume=resume, dataset_root=dataset_root)
+
+    finished = _finished_training(run) if resume == "auto" else None
+    if finished is not None:  # a resumed run whose training is complete: no capture engine, no training
+        step, steps = finished
+        sink.log("info", f"training is complete (step {step} of {steps}): evaluation and export only")
+    else:
+        step, steps = _capture_and_train(spec, loaded, data, run, sink, resume=resume)
+
+    # the evaluation end (peagle/eval/final.py): best checkpoint's AL (and serving speedup), export, serve check
+    target = loaded.target
+    evaluate_run(loaded.base, run, result, model=target.model, tok=target.tokenizer, k=loaded.k_eval, sink=sink,
+                 target_path=target.path, step=step, total_steps=steps, sources=data.sources)
+    return result
+
+
+def _validate(spec: TrainSpec, sink: ProgressSink) -> _Loaded:
+    """The `validating` phase: pick the device, seed torch, resolve the spec for this machine, load the target
+    (or its parts) and its tokenizer, check `draft.aux_layer_ids` against its layers.
+
+    Raises:
+        TargetLoadError: the target does not load, or `draft.aux_layer_ids` does not fit its layers.
+    """
+    from peagle.engine.locate import vllm_available
+    from peagle.target.capture import resolve_aux_layer_ids
+    from peagle.target.loader import device_facts
+    from peagle.target.runtime import load_target_runtime
+    from peagle.train.loop import resolve_device
 
     _phase(sink, "validating", "loading the target and resolving the spec")
     device = resolve_device(spec)
@@ -213,23 +276,32 @@ def run_pipeline(
         sink.log("info", f"target dtype {base.target.dtype} (auto: bfloat16 only where the {device.type} runs it "
                          "natively)")
     target = load_target_runtime(base, device)  # the whole target (hf), or its frozen parts (vllm)
-    model, tok, target_path = target.model, target.tokenizer, target.path
     n_layers = target.num_layers
     try:
         aux_ids = resolve_aux_layer_ids(spec.draft.aux_layer_ids, n_layers)
     except ValueError as exc:
         raise TargetLoadError(f"draft.aux_layer_ids: {exc}") from None
     vocab_size = target.vocab_size
-    verifier = verifier_name(spec, target_path)
+    verifier = verifier_name(spec, target.path)
     k_eval = int(base.eval.num_speculative_tokens or 0)
     if target.engine == "vllm":
         sink.log("info", f"target engine: vLLM (the trainer holds the draft and the target's embeddings, lm_head "
                          f"and final norm; engine GPUs: {target.engine_devices or 'none, CPU'})")
+    return _Loaded(device=device, base=base, target=target, n_layers=n_layers, vocab_size=vocab_size,
+                   aux_ids=aux_ids, verifier=verifier, k_eval=k_eval)
 
-    if spec.preview.conversations > 0:
-        _preview(spec, base, target, run, sink=raw_sink, log=sink, device=device, aux_ids=aux_ids, resume=resume,
-                 dataset_root=dataset_root)
 
+def _prepare(spec: TrainSpec, loaded: _Loaded, run: Path, sink: ProgressSink, *, resume: str,
+             dataset_root: Path | None) -> _Data:
+    """The `preparing_data`, `regenerating` and `building_vocab` phases (`peagle.data.prepare`, cached in
+    RUN/data), then the warm start's vocabulary (`draft.init_from`) and the evaluation's prompt sources."""
+    from peagle.data.packing import document_prompts
+    from peagle.data.prepare import prepare_data
+    from peagle.data.prompts import PromptSources
+    from peagle.target.runtime import wait_for_rank0
+    from peagle.train.checkpoint import find_resumable
+
+    base, target = loaded.base, loaded.target
     _phase(sink, "preparing_data", "reading, templating and packing the data")
     # prepare_data announces building_vocab when it gets there: a data error stays under preparing_data
     data_sink = _NoPhases(sink, allow=("regenerating", "building_vocab"))
@@ -239,12 +311,12 @@ def run_pipeline(
     by_engine = regen.enabled is True and regen.engine == "vllm"
     prepared = prepare_data(
         base,
-        tok,
+        target.tokenizer,
         run,
-        target_vocab_size=vocab_size,
+        target_vocab_size=loaded.vocab_size,
         dataset_root=dataset_root,
         sink=data_sink,
-        model=model if regen.enabled is True and regen.engine == "hf" else None,
+        model=target.model if regen.enabled is True and regen.engine == "hf" else None,
         **({"regen_engine": target.engine_config(base)} if by_engine else {}),
     )
     if "building_vocab" not in data_sink.seen:  # reloaded from RUN/data: vocabulary included
@@ -252,9 +324,10 @@ def run_pipeline(
     vocab, mask_token_id = prepared.vocab, int(prepared.mask_token_id)
     # a resumed warm start reads its vocabulary from its own newest checkpoint (the parent's, kept there), and
     # its weights come from there too: the parent is not read again (its checkpoint may be pruned since)
-    own = (find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
+    own = (find_resumable(run / CHECKPOINTS, warn=lambda m: sink.event("warning", message=m))
            if spec.draft.init_from and resume == "auto" else None)
-    warm = warm_start(spec, target.parts.config.to_dict(), vocab_size, source=own) if spec.draft.init_from else None
+    warm = (warm_start(spec, target.parts.config.to_dict(), loaded.vocab_size, source=own)
+            if spec.draft.init_from else None)
     if warm is not None:  # the parent's rows of lm_head mean the parent's tokens: its vocabulary and mask token
         vocab, mask_token_id = warm.vocab, warm.mask_token_id
         sink.log("info", f"warm start from {spec.draft.init_from}: its draft vocabulary (Vd={vocab.draft_vocab_size})"
@@ -262,85 +335,107 @@ def run_pipeline(
     # the `heldout` prompt set (held-out conversations up to their answer) and uploaded prompt sets
     heldout = any(ps.name == HELDOUT_PROMPT_SET for ps in spec.eval.prompt_sets)
     sources = PromptSources(document_prompts(prepared.eval) if heldout else [], dataset_root)
+    return _Data(prepared=prepared, vocab=vocab, mask_token_id=mask_token_id, warm=warm, own=own, sources=sources)
 
-    finished = _finished_training(run) if resume == "auto" else None
-    if finished is not None:  # a resumed run whose training is complete: no capture engine, no training
-        done_step, steps = finished
-        sink.log("info", f"training is complete (step {done_step} of {steps}): evaluation and export only")
-        evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
-                     step=done_step, total_steps=steps, sources=sources)
-        return result
 
+def _capture_and_train(spec: TrainSpec, loaded: _Loaded, data: _Data, run: Path, sink: ProgressSink, *,
+                       resume: str) -> tuple[int, int]:
+    """The `capturing` and `training` phases: open the feature sources (the capture engine, if any, runs for
+    as long as they need it and stops before evaluation), write the run's records, build the draft, train.
+
+    Returns:
+        (the trainer's last step, the run's total steps).
+    """
+    from peagle.target.runtime import feature_sources
+    from peagle.train.optim import total_steps
+
+    target = loaded.target
     _phase(sink, "capturing", f"target features ({spec.resources.capture}, {target.engine})")
     # the capture engine (if any) runs for as long as the sources need it, and stops before evaluation
     start = _resume_micro_batch(run, spec.optim.grad_accumulation) if resume == "auto" else 0
-    with feature_sources(target, base, prepared, run, vocab=vocab, aux_ids=aux_ids, sink=_NoPhases(sink),
-                         start_micro_batch=start) as (source, eval_source):
+    with feature_sources(target, loaded.base, data.prepared, run, vocab=data.vocab, aux_ids=loaded.aux_ids,
+                         sink=_NoPhases(sink), start_micro_batch=start) as (source, eval_source):
         steps = total_steps(spec.optim, source.num_batches())
-        resolved = base.resolve(cuda_available=device.type == "cuda", target_num_layers=n_layers,
-                                mask_token_id=mask_token_id,
-                                draft_vocab_size=int(vocab.draft_vocab_size), max_steps=int(steps))
-        _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
-        facts = {
-            "target_path": str(target_path),
-            "target_engine": target.engine,
-            "engine_devices": target.engine_devices,
-            "verifier_name_or_path": verifier,
-            "target_num_layers": n_layers,
-            "target_vocab_size": vocab_size,
-            "aux_layer_ids": aux_ids,
-            "mask_token_id": mask_token_id,
-            "draft_vocab_size": int(vocab.draft_vocab_size),
-            "init_from": warm.provenance if warm is not None else None,
-            "total_steps": int(steps),
-            "train_rows": len(prepared.train),
-            "eval_rows": len(prepared.eval),
-        }
-        _write_json(run / "provenance.json", _provenance(device, facts))
-
-        # a resumed run's weights come from its checkpoint (found here, handed to the Trainer, verified
-        # once), so the first micro-batches are not read (for a streaming source: captured again) only to be
-        # overwritten
-        resume_from = (find_resumable(run / "checkpoints", warn=lambda m: sink.event("warning", message=m))
-                       if spec.draft.mask_hidden_init == "feature_mean" and resume == "auto" else None)
-        if warm is not None:  # a resumed run continues from its own checkpoint, never from the parent again
-            resume_from = own
-        draft = build_initial_draft(spec, target.parts, vocab, mask_token_id, aux_ids, source,
-                                    from_checkpoint=resume_from is not None,
-                                    init_weights=warm.state if warm is not None and resume_from is None else None)
-        arch = target.architectures
-
-        def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
-            export_draft(
-                d,
-                tmp_dir,
-                num_speculative_tokens=spec.peagle.num_depths,
-                verifier_name_or_path=verifier,
-                verifier_architectures=arch,
-                in_place=True,
-            )
-
-        trainer = Trainer(
-            spec,
-            draft,
-            source,
-            run_dir=run,
-            eval_source=eval_source,
-            sink=sink,
-            extra_writer=write_export,
-            evaluate_hook=al_hook(base, model, tok, k_eval, target_path=target_path, architectures=arch,
-                                  sources=sources)
-            if spec.eval.prompt_sets else None,
-            device=device,
-            resume=resume,
-            resume_from=resume_from,
-        )
+        _write_run_records(loaded, data, run, steps)
+        trainer = _build_trainer(spec, loaded, data, run, sink, source, eval_source, resume=resume)
         trainer.train()
+    return trainer.step, steps
 
-    # the evaluation end (peagle/eval/final.py): best checkpoint's AL (and serving speedup), export, serve check
-    evaluate_run(base, run, result, model=model, tok=tok, k=k_eval, sink=sink, target_path=target_path,
-                 step=trainer.step, total_steps=steps, sources=sources)
-    return result
+
+def _write_run_records(loaded: _Loaded, data: _Data, run: Path, steps: int) -> None:
+    """RUN/resolved_spec.json (the spec resolved with the step count, the vocabulary and the target's layers)
+    and RUN/provenance.json (packages, host, device and the run's facts, `_provenance`)."""
+    target, device, vocab = loaded.target, loaded.device, data.vocab
+    resolved = loaded.base.resolve(cuda_available=device.type == "cuda", target_num_layers=loaded.n_layers,
+                                   mask_token_id=data.mask_token_id,
+                                   draft_vocab_size=int(vocab.draft_vocab_size), max_steps=int(steps))
+    _write_json(run / "resolved_spec.json", resolved.model_dump(mode="json"))
+    facts = {
+        "target_path": str(target.path),
+        "target_engine": target.engine,
+        "engine_devices": target.engine_devices,
+        "verifier_name_or_path": loaded.verifier,
+        "target_num_layers": loaded.n_layers,
+        "target_vocab_size": loaded.vocab_size,
+        "aux_layer_ids": loaded.aux_ids,
+        "mask_token_id": data.mask_token_id,
+        "draft_vocab_size": int(vocab.draft_vocab_size),
+        "init_from": data.warm.provenance if data.warm is not None else None,
+        "total_steps": int(steps),
+        "train_rows": len(data.prepared.train),
+        "eval_rows": len(data.prepared.eval),
+    }
+    _write_json(run / "provenance.json", _provenance(device, facts))
+
+
+def _build_trainer(spec: TrainSpec, loaded: _Loaded, data: _Data, run: Path, sink: ProgressSink, source: Any,
+                   eval_source: Any, *, resume: str) -> Trainer:
+    """The initial draft (fresh, warm-started or to be overwritten by the checkpoint it resumes from) and the
+    Trainer that trains it; every checkpoint carries the vLLM export (`export_draft`), and with prompt sets
+    the live AL hook (`peagle.eval.live.al_hook`) evaluates it."""
+    from peagle.eval.live import al_hook
+    from peagle.export.writer import export_draft
+    from peagle.train.checkpoint import find_resumable
+    from peagle.train.loop import Trainer
+
+    target, base, warm = loaded.target, loaded.base, data.warm
+    # a resumed run's weights come from its checkpoint (found here, handed to the Trainer, verified
+    # once), so the first micro-batches are not read (for a streaming source: captured again) only to be
+    # overwritten
+    resume_from = (find_resumable(run / CHECKPOINTS, warn=lambda m: sink.event("warning", message=m))
+                   if spec.draft.mask_hidden_init == "feature_mean" and resume == "auto" else None)
+    if warm is not None:  # a resumed run continues from its own checkpoint, never from the parent again
+        resume_from = data.own
+    draft = build_initial_draft(spec, target.parts, data.vocab, data.mask_token_id, loaded.aux_ids, source,
+                                from_checkpoint=resume_from is not None,
+                                init_weights=warm.state if warm is not None and resume_from is None else None)
+    arch = target.architectures
+
+    def write_export(tmp_dir: Path, d: PEagleDraft) -> None:
+        export_draft(
+            d,
+            tmp_dir,
+            num_speculative_tokens=spec.peagle.num_depths,
+            verifier_name_or_path=loaded.verifier,
+            verifier_architectures=arch,
+            in_place=True,
+        )
+
+    return Trainer(
+        spec,
+        draft,
+        source,
+        run_dir=run,
+        eval_source=eval_source,
+        sink=sink,
+        extra_writer=write_export,
+        evaluate_hook=al_hook(base, target.model, target.tokenizer, loaded.k_eval, target_path=target.path,
+                              architectures=arch, sources=data.sources)
+        if spec.eval.prompt_sets else None,
+        device=loaded.device,
+        resume=resume,
+        resume_from=resume_from,
+    )
 
 
 def _preview(spec: TrainSpec, base: TrainSpec, target: Any, run: Path, *, sink: ProgressSink, log: ProgressSink,

@@ -36,6 +36,7 @@ import torch
 
 from peagle.fileio import atomic_write_json
 from peagle.progress import ProgressLog, ProgressSink
+from peagle.run_folder import CHECKPOINTS
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import preview_values
 from peagle.spec.preview import preview_spec
@@ -144,13 +145,13 @@ def run_preview(spec: TrainSpec, base: TrainSpec, target: Any, run: Path, *, sin
         vocab, mask_token_id = prepared.vocab, int(prepared.mask_token_id)
         warm = None
         if pspec.draft.init_from:  # the same start as the main run: the parent's weights and vocabulary
-            own = (find_resumable(out / "checkpoints", warn=lambda m: psink.event("warning", message=m))
+            own = (find_resumable(out / CHECKPOINTS, warn=lambda m: psink.event("warning", message=m))
                    if resume == "auto" else None)
             warm = warm_start(pspec, target.parts.config.to_dict(), target.vocab_size, source=own)
             vocab, mask_token_id = warm.vocab, warm.mask_token_id
         psink.event("phase", phase="capturing", message=f"target features ({pbase.resources.capture}, {target.engine})")
         with feature_sources(target, pbase, prepared, out, vocab=vocab, aux_ids=aux_ids, sink=psink) as (source, _):
-            resume_from = (find_resumable(out / "checkpoints", warn=lambda m: psink.event("warning", message=m))
+            resume_from = (find_resumable(out / CHECKPOINTS, warn=lambda m: psink.event("warning", message=m))
                            if resume == "auto" else None)
             draft = build_initial_draft(pspec, target.parts, vocab, mask_token_id, aux_ids, source,
                                         from_checkpoint=resume_from is not None,

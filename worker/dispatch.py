@@ -4,11 +4,10 @@
     dispatcher.tick()     # every heartbeat of the supervisor, while the trainer runs
     dispatcher.stop()     # the attempt ended: chunks in flight are stopped (engine workers see it)
 
-The trainer says which chunks it is ready for through the protocol's files (`peagle.target.remote`:
+The trainer says which chunks it is ready for through the protocol's files (`peagle.split.protocol`:
 ``release.json`` keeps the bytes ahead of it within `resources.feature_disk_gb`); each tick the dispatcher
-sends the regeneration's chunks (`peagle.data.remote_regen`) and the released capture chunks that are not
-done as `peagle.engine_chunk` tasks to the engine queue, at most
-`resources.engine.replicas` in flight, records them (`service.db.engine_tasks`), sends again a chunk
+sends the regeneration's chunks and the released capture chunks that are not done as `peagle.engine_chunk`
+tasks to the engine queue, at most `resources.engine.replicas` in flight, records them (`service.db.engine_tasks`), sends again a chunk
 whose engine worker lost its lease, and writes ``failed.json`` (raised in the trainer) for a chunk that
 failed `MAX_ATTEMPTS` times.
 
@@ -18,6 +17,9 @@ and heartbeats: `service.db.engine_tasks.warm_workers`), else FIFO to the shared
 engine worker takes. A chunk sent direct that its worker has not taken while that worker stopped
 heartbeating or started other work, or within `engine_chunk_resend_seconds`, is sent again to the shared
 queue (a duplicate message is harmless: one worker claims the chunk).
+
+Of peagle it imports only the torch-free `peagle.split.protocol`: a tick reads JSON files and loads no
+torch into the supervisor that runs it (tests/worker/test_dispatch_torch_free.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,17 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from peagle.fileio import atomic_write_json, read_json
+from peagle.split.protocol import (
+    RELEASE,
+    eval_pending,
+    pending_chunks,
+    pending_regen_chunks,
+    read_plan,
+    read_release,
+    regen_dir,
+    remote_dir,
+    write_failed,
+)
 from service.db.engine_tasks import (
     busy_nodes,
     plan_sends,
@@ -59,8 +71,6 @@ class ChunkDispatcher:
 
     def __init__(self, settings: Settings, factory: sessionmaker[Session], *, job_id: str, queue: str, run_dir: Path,
                  spec: Any, send: Callable[[str, str, int, str, str | None], str] | None = None) -> None:
-        from peagle.data.remote_regen import regen_dir, remote_dir
-
         engine = spec.resources.engine
         self.settings, self.factory, self.job_id = settings, factory, job_id
         self.queue = engine.queue or engine_queue(queue)
@@ -91,13 +101,10 @@ class ChunkDispatcher:
 
     def tick(self) -> None:
         """Send what the trainer released and is neither done nor in flight."""
-        from peagle.data.remote_regen import pending_regen_chunks
-        from peagle.target.remote import eval_pending, pending_chunks, read_plan
-
         todo: list[tuple[str, list[int], int]] = [("regenerate", pending_regen_chunks(self.regen), 0)]
         rel = None
         if read_plan(self.d) is not None:
-            rel = read_json(self.d / "release.json") if self._released_now() else None
+            rel = read_release(self.d) if self._released_now() else None
             todo.append(("eval", [0] if eval_pending(self.d) else [], 0))
         if isinstance(rel, dict):
             todo.append(("capture", pending_chunks(self.d), int(rel["generation"])))
@@ -111,8 +118,7 @@ class ChunkDispatcher:
                                           max_attempts=MAX_ATTEMPTS, sent_deadline=self.settings.engine_chunk_resend_seconds)
                 routes = self._routes(s, kind, generation, send)
             if failed:
-                atomic_write_json(self.d / "failed.json", {"message": f"engine chunk {kind} {failed[0]} failed "
-                                                                      f"{MAX_ATTEMPTS} times on engine workers"})
+                write_failed(self.d, f"engine chunk {kind} {failed[0]} failed {MAX_ATTEMPTS} times on engine workers")
             for i in send:
                 node = routes.get(i)
                 self.send(kind, i, node)
@@ -131,7 +137,7 @@ class ChunkDispatcher:
     def _released_now(self) -> bool:
         """Whether ``release.json`` was written by this attempt's trainer."""
         try:
-            return (self.d / "release.json").stat().st_mtime >= self.since
+            return (self.d / RELEASE).stat().st_mtime >= self.since
         except FileNotFoundError:
             return False
 

@@ -5,10 +5,10 @@
 
 An engine worker (`python -m worker --role engine`) runs it in its main process (the `solo` pool,
 `service.queue.ENGINE_DELIVERY`): the task takes the chunk in the database (`service.db.engine_tasks`: its
-own lease), gets the capture engine the job's plan needs from `WarmEngine` (started once, kept between
-chunks of the same configuration, `peagle.target.remote.engine_key`), runs the chunk on the shared volume
-(`peagle.target.remote.run_capture_chunk`: results written whole, then the chunk's marker) and records
-tokens and seconds. Between micro-batches it extends its lease and stops when the job is paused,
+own lease), gets the engine the job's plan needs from `WarmEngine` (`peagle.target.remote`: started once,
+kept between chunks of the same configuration, `peagle.split.protocol.engine_key`), runs the chunk on the
+shared volume (`peagle.target.remote.run_capture_chunk`: results written whole, then the chunk's marker;
+`peagle.data.remote_regen.run_regen_chunk`) and records tokens and seconds. Between micro-batches it extends its lease and stops when the job is paused,
 cancelled or over, or the chunk was given to another worker; a pause or cancel also stops its engine.
 
 The chunk's row names this worker ``<Celery node name>:<pid>`` (`worker_name`): the dispatcher sends a job's
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peagle.run_folder import job_dir
 from service.db.engine_tasks import beat_chunk, end_chunk, job_control, job_stopping, start_chunk
 from service.db.session import make_engine, make_session_factory, session_scope
 from service.settings import Settings
@@ -45,7 +46,7 @@ class WarmEngine:
     def __init__(self, keep_warm_s: float) -> None:
         self.keep_warm_s = keep_warm_s
         self.key: str | None = None
-        self.engine: Any = None  # a `peagle.target.remote.CaptureEngine`
+        self.engine: Any = None  # a `peagle.target.remote.CaptureEngine` (or `GenerateEngine`)
         self.idle_since: float | None = None
         self.stop_if: Any = None  # asked while idle: True stops the engine (its job was paused or cancelled)
         self._lock = threading.Lock()
@@ -152,18 +153,19 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
               warm: WarmEngine | None = None) -> str:
     """Run one chunk of `job_id` on this engine worker; returns the chunk's final state (or `skipped`)."""
     from peagle.data import remote_regen
+    from peagle.split import protocol
     from peagle.target import remote
 
     name = worker or worker_name()
     warm = warm or warm_engine(settings)
     engine = make_engine(settings.resolved_database_url())
     factory = make_session_factory(engine)
-    run = settings.resolved_artifact_root() / job_id
-    d = remote_regen.remote_dir(run)
+    run = job_dir(settings.resolved_artifact_root(), job_id)
+    d = protocol.remote_dir(run)
     if kind == "regenerate":
-        d = remote_regen.regen_dir(run)
+        d = protocol.regen_dir(run)
     try:
-        plan = remote_regen.read_regen_plan(d) if kind == "regenerate" else remote.read_plan(d)
+        plan = protocol.read_regen_plan(d) if kind == "regenerate" else protocol.read_plan(d)
         if plan is None:  # not claimed: the chunk stays `sent`, so its re-send goes out without a lease to lapse
             log.warning("job %s chunk %s/%s: no plan in %s on this worker (is the shared volume mounted here?): "
                         "skipped", job_id, kind, index, d)
@@ -206,19 +208,19 @@ def run_chunk(settings: Settings, job_id: str, kind: str, index: int, *, worker:
 
         try:
             if kind == "regenerate":
-                gen = warm.get(remote.engine_key(plan), start_generate)
-                regen = remote_regen.run_regen_chunk(d, index, gen.tokenizer, gen.backend, worker=name)
-                stats: dict[str, Any] | None = {"tokens": regen["tokens"], "seconds": regen["seconds"]}
+                gen = warm.get(protocol.engine_key(plan), start_generate)
+                answered = remote_regen.run_regen_chunk(d, index, gen.tokenizer, gen.backend, worker=name)
+                stats: dict[str, Any] | None = {"tokens": answered["tokens"], "seconds": answered["seconds"]}
             elif kind == "eval":
-                capture = warm.get(remote.engine_key(plan), start).capture(plan)
+                cap = warm.get(protocol.engine_key(plan), start).capture(plan)
                 import torch
 
                 dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
                     str(plan["spec"]["target"].get("dtype")), torch.bfloat16)
-                stats = remote.run_eval_chunk(d, capture, aux_dtype=dtype, worker=name)
+                stats = remote.run_eval_chunk(d, cap, aux_dtype=dtype, worker=name)
             else:
-                capture = warm.get(remote.engine_key(plan), start).capture(plan)
-                stats = remote.run_capture_chunk(d, index, capture, worker=name, should_stop=stop.is_set)
+                cap = warm.get(protocol.engine_key(plan), start).capture(plan)
+                stats = remote.run_capture_chunk(d, index, cap, worker=name, should_stop=stop.is_set)
         except Exception as exc:  # the task boundary: recorded, the dispatcher re-sends or fails the job
             done.set()
             log.exception("job %s chunk %s/%s failed", job_id, kind, index)

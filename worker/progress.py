@@ -1,4 +1,4 @@
-"""Turn the trainer's JSON-lines progress stream into database batches (`service.db.lease.Batch`).
+"""Turn the trainer's JSON-lines progress stream into database batches (`service.db.progress.Batch`).
 
 The trainer prints one JSON object per line (docs/progress.md): metrics, events (phase,
 progress, checkpoint, eval, warning, resumed, export, error) and logs. `ProgressCollector.add` files each
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.progress import RateHistory
+from peagle.run_folder import checkpoint_relpath
 from peagle.spec.metrics import (
     ACCEPTANCE_LENGTH,
     LOSS,
@@ -33,7 +34,8 @@ from peagle.spec.metrics import (
     eval_key,
     is_measured_al_key,
 )
-from service.db.lease import Batch, CheckpointMetrics, Lease, MetricRecord
+from service.db.lease import Lease
+from service.db.progress import Batch, CheckpointMetrics, MetricRecord
 from service.db.replay import FINAL_PHASES, PREVIEW, metric_kind
 
 __all__ = ["ProgressCollector", "Recovered", "parse_line", "recover"]
@@ -178,7 +180,7 @@ class ProgressCollector:
         elif kind == "checkpoint":
             step = int(rec.get("step") or 0)
             self.batch.checkpoints.append({
-                "step": step, "dir": str(rec.get("dir") or f"checkpoints/step_{step:06d}"),
+                "step": step, "dir": str(rec.get("dir") or checkpoint_relpath(step)),
                 "files": rec.get("files") or [], "metrics": _finite_values(rec.get("metrics")),
                 "is_best": bool(rec.get("is_best")),
             })

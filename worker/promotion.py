@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle.errors import PeagleError
 from peagle.fileio import read_json
+from peagle.run_folder import job_dir, job_ref, parse_job_ref
 from peagle.spec import SpecInvalidError, parse_spec
 from service.db import promotion
 from service.db.init_from import init_source
@@ -54,15 +55,15 @@ def _checkpoint(session: Session, settings: Settings, job: Job, step: int | None
     step = step if step is not None else job.best_checkpoint_step
     if step is None:
         return None, f"job {job.id} has no best checkpoint"
-    found = init_source(session, int(job.owner_id), f"job:{job.id}@step_{step}",
+    found = init_source(session, int(job.owner_id), job_ref(job.id, step),
                         artifact_root=settings.resolved_artifact_root())
     return found.export_dir, found.problem or ""
 
 
 def _parent_step(spec: dict[str, Any]) -> int | None:
-    value = str((spec.get("draft") or {}).get("init_from") or "")
-    tail = value.rpartition("@step_")[2] if "@step_" in value else ""
-    return int(tail) if tail.isdigit() else None
+    """The step a child's `job:<id>@step_<N>` warm start names, None for its parent's best checkpoint."""
+    parent = parse_job_ref(str((spec.get("draft") or {}).get("init_from") or ""))
+    return parent[1] if parent is not None else None
 
 
 def after_success(settings: Settings, factory: sessionmaker[Session], job_id: str,
@@ -174,7 +175,7 @@ def _compare_and_decide(settings: Settings, factory: sessionmaker[Session], job_
     else:
         try:
             # the spec the trainer ran (uploaded prompt sets as local files), else the job's own
-            spec = parse_spec(read_json(settings.resolved_artifact_root() / job_id / "job_spec.json") or child_spec)
+            spec = parse_spec(read_json(job_dir(settings.resolved_artifact_root(), job_id) / "job_spec.json") or child_spec)
             res = compare_exports(exports, spec, batch_sizes=sizes, heldout_from=child_ckpt, measure=measure,
                                   log=lambda m: log.info("job %s promotion: %s", job_id, m))
         except (PeagleError, SpecInvalidError, OSError, ValueError, RuntimeError) as exc:

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import states
-from service.db.lease import (
+from service.db.requeue import (
     ReapAction,
     queued_jobs,
     reap_lapsed,

@@ -12,7 +12,8 @@
    to the trainer's group (it checkpoints and exits 75), SIGKILL after `kill_grace_seconds`. SIGTERM to
    the supervisor's own process (the worker is shutting down, `worker.app.stop_running_jobs`) does the
    same within `shutdown_grace_seconds`, then requeues the job (attempt + 1) to resume from that checkpoint.
-4. On exit it maps the exit code (`worker.trainer.classify_exit`) to the job's final state and error code.
+4. On exit it maps the exit code to the job's final state and error code (`worker.outcome`, with
+   `worker.trainer.classify_exit`).
    A trainer killed by a signal it was not sent is a crash, and so is a target engine that failed
    (`engine_failed`): the job is requeued (attempt+1, resumes from its last complete checkpoint, its
    prepared data and the owner's regeneration cache) up to `max_restarts`, then fails with that code.
@@ -27,7 +28,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import IO, Any
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -44,41 +44,34 @@ from sqlalchemy.orm import Session, sessionmaker
 from peagle.engine.procs import signal_group
 from peagle.errors import EXIT_CODES
 from peagle.fileio import atomic_write_json, read_json
+from peagle.run_folder import CHECKPOINTS, complete_checkpoints, is_complete, job_dir, step_dirname
 from peagle.spec import SpecInvalidError, TrainSpec, parse_spec
-from service.channels import dataset_id
 from service.db import states
 from service.db.init_from import init_source
 from service.db.lease import (
-    Batch,
     Lease,
     LeaseLost,
     complete_checkpoint_steps,
     dataset_files,
-    finish,
     heartbeat,
-    ingest,
     job_owner_id,
     job_status,
-    record_task_id,
-    requeue_crashed,
 )
+from service.db.progress import Batch, ingest
 from service.db.session import session_scope
 from service.settings import Settings
 from worker.live import Publisher
+from worker.outcome import Ending, Outcome, decide_ending, record_crash, record_ending
 from worker.progress import ProgressCollector, recover
 from worker.provenance import worker_provenance
 from worker.redact import Redactor
-from worker.trainer import build_command, classify_exit, start_trainer, trainer_env, trainer_environment
+from worker.refs import dataset_refs, localize_datasets, public_spec
+from worker.streams import TrainerOutput, stderr_parts
+from worker.trainer import build_command, start_trainer, trainer_env, trainer_environment
 
 __all__ = ["Outcome", "Supervisor"]
 
 log = logging.getLogger(__name__)
-
-
-class Outcome:
-    """Final status names returned by `Supervisor.run` besides job states."""
-
-    LEASE_LOST = "lease_lost"
 
 
 class Supervisor:
@@ -93,9 +86,8 @@ class Supervisor:
         self.send_task = send_task
         self.publisher = publisher
         self.flush_seconds = flush_seconds
-        self.run_dir = settings.resolved_artifact_root() / lease.job_id
+        self.run_dir = job_dir(settings.resolved_artifact_root(), lease.job_id)
         self.collector = ProgressCollector()
-        self.lines: queue.Queue[tuple[str, str] | None] = queue.Queue()
         self.stderr_tail: deque[str] = deque(maxlen=200)
         self.proc: subprocess.Popen[str] | None = None
         self.status = states.RUNNING
@@ -136,13 +128,6 @@ class Supervisor:
         if self.shutdown:
             return min(self.settings.kill_grace_seconds, self.settings.shutdown_grace_seconds)
         return self.settings.kill_grace_seconds
-
-    def _reader(self, stream: IO[str], name: str) -> None:
-        try:
-            for line in stream:
-                self.lines.put((name, line))
-        finally:
-            self.lines.put(None)
 
     # ---------------------------------------------------------------- database
 
@@ -193,9 +178,8 @@ class Supervisor:
                 self.have_run_files = self._have_resolved
         if batch.checkpoints:
             new = {int(c["step"]) for c in batch.checkpoints}
-            ck_root = self.run_dir / "checkpoints"
-            gone = sorted(s for s in self._known_steps - new
-                          if not (ck_root / f"step_{s:06d}" / "COMPLETE").exists())
+            ck_root = self.run_dir / CHECKPOINTS
+            gone = sorted(s for s in self._known_steps - new if not is_complete(ck_root / step_dirname(s)))
             batch.missing_checkpoint_steps = gone
             self._known_steps = (self._known_steps | new) - set(gone)
 
@@ -218,14 +202,11 @@ class Supervisor:
         except SpecInvalidError as exc:
             return self._end(states.FAILED, code=exc.code, message=str(exc), retryable=False,
                              event=("error", f"{exc.code}: {exc}"))
-        spec, missing = self._resolve_datasets(spec)
-        if missing:
-            return self._end(states.FAILED, code="data_invalid", message=missing, retryable=False,
-                             event=("error", f"data_invalid: {missing}"))
-        spec, gone = self._resolve_init_from(spec)
-        if gone:
-            return self._end(states.FAILED, code="spec_invalid", message=gone, retryable=False,
-                             event=("error", f"spec_invalid: {gone}"))
+        for resolve, code in ((self._resolve_datasets, "data_invalid"), (self._resolve_init_from, "spec_invalid")):
+            spec, problem = resolve(spec)
+            if problem:
+                return self._end(states.FAILED, code=code, message=problem, retryable=False,
+                                 event=("error", f"{code}: {problem}"))
         if spec.resources.engine is not None:
             from worker.dispatch import ChunkDispatcher
 
@@ -259,31 +240,17 @@ class Supervisor:
     def _resolve_datasets(self, spec: TrainSpec) -> tuple[TrainSpec, str | None]:
         """The spec the trainer gets: `dataset:<id>` sources and prompt sets become the uploaded file's local
         path (the job owner's datasets only; the Redactor maps the path back in what clients see)."""
-        ids = [ds_id for src in spec.data.sources if (ds_id := dataset_id(src.path)) is not None]
-        ids += [ds_id for ps in spec.eval.prompt_sets if (ds_id := dataset_id(ps.name)) is not None]
+        ids = dataset_refs(spec)
         if not ids:
             return spec, None
         with session_scope(self.factory) as s:
             files = dataset_files(s, self.lease.job_id, ids)
-
-        def local(items: list[Any], field: str, where: str) -> list[Any]:
-            """`items` with each `dataset:<id>` in `field` replaced by the file (KeyError names a missing one)."""
-            out = []
-            for i, item in enumerate(items):
-                ds_id = dataset_id(getattr(item, field))
-                if ds_id is not None and ds_id not in files:
-                    raise KeyError(f"{where}.{i}.{field}: dataset {ds_id!r} not found")
-                out.append(item if ds_id is None else item.model_copy(update={field: files[ds_id]}))
-            return out
-
         try:
-            sources = local(spec.data.sources, "path", "data.sources")
-            prompt_sets = local(spec.eval.prompt_sets, "name", "eval.prompt_sets")
+            local = localize_datasets(spec, files)
         except KeyError as exc:
             return spec, str(exc.args[0])
         self.redact = Redactor(self.settings, self.run_dir, {files[i]: i for i in ids if i in files})
-        return spec.model_copy(update={"data": spec.data.model_copy(update={"sources": sources}),
-                                       "eval": spec.eval.model_copy(update={"prompt_sets": prompt_sets})}), None
+        return local, None
 
     def _resolve_init_from(self, spec: TrainSpec) -> tuple[TrainSpec, str | None]:
         """The spec the trainer gets: a warm start's `job:`/`draft:` source becomes its export folder (the
@@ -296,7 +263,7 @@ class Supervisor:
             found = init_source(s, owner if owner is not None else -1, value,
                                 artifact_root=self.settings.resolved_artifact_root())
         if found.export_dir is None:
-            if any((self.run_dir / "checkpoints").glob("step_*/COMPLETE")):
+            if complete_checkpoints(self.run_dir / CHECKPOINTS):
                 return spec, None  # a resumed attempt reads only its own checkpoints (peagle.pipeline.warm_start)
             return spec, f"draft.init_from: {found.problem}"
         return spec.model_copy(update={"draft": spec.draft.model_copy(
@@ -304,15 +271,7 @@ class Supervisor:
 
     def _public_spec(self, resolved: dict[str, Any]) -> dict[str, Any]:
         """The trainer's resolved spec as the owner sees it: their own data refs, no server path."""
-        warm = (self.lease.spec.get("draft") or {}).get("init_from")
-        if warm is not None and isinstance(resolved.get("draft"), dict):
-            resolved = {**resolved, "draft": {**resolved["draft"], "init_from": warm}}
-        mine = (self.lease.spec.get("data") or {}).get("sources") or []
-        sources = (resolved.get("data") or {}).get("sources")
-        if isinstance(sources, list) and len(sources) == len(mine):
-            resolved = {**resolved, "data": {**resolved["data"], "sources": [
-                {**s, "path": m.get("path")} if isinstance(s, dict) else s for s, m in zip(sources, mine, strict=True)]}}
-        return self.redact.value(resolved)
+        return public_spec(resolved, self.lease.spec, redact=self.redact.value)
 
     def _backfill(self) -> None:
         """Recover what a killed attempt printed but never stored, from RUN/progress.jsonl
@@ -335,24 +294,15 @@ class Supervisor:
             return self._end(states.FAILED, code="trainer_start_failed", retryable=False,
                              message=f"cannot start the trainer: {exc.strerror or type(exc).__name__}")
         self.collector.event("trainer", "trainer started")  # its pid is in the worker log, not the tenant's events
-        streams: list[tuple[IO[str] | None, str]] = [(self.proc.stdout, "out"), (self.proc.stderr, "err")]
-        readers = [threading.Thread(target=self._reader, args=(st, n), daemon=True) for st, n in streams]
-        for t in readers:
-            t.start()
-        open_streams = 2
+        output = TrainerOutput(self.proc)  # `worker.streams`: its stdout (progress JSON lines) and stderr
         next_flush = next_beat = time.monotonic()
         try:
-            while open_streams or self.proc.poll() is None:
-                try:
-                    item = self.lines.get(timeout=0.1)
-                except queue.Empty:
-                    item = ("", "")
-                if item is None:
-                    open_streams -= 1
-                elif item[0] == "out":
-                    self.collector.add_line(self.redact.text(item[1]))
-                elif item[0] == "err":
-                    self._stderr(item[1])
+            while output.open or self.proc.poll() is None:
+                kind, line = output.get(timeout=0.1)
+                if kind == "out":
+                    self.collector.add_line(self.redact.text(line))
+                elif kind == "err":
+                    self._stderr(line)
                 now = time.monotonic()
                 if self.shutdown:
                     self._request_stop("worker shutting down")
@@ -399,77 +349,27 @@ class Supervisor:
             log.warning("job %s: chunk dispatch failed (%s)", self.lease.job_id, exc)
 
     def _stderr(self, line: str) -> None:
-        for part in self.redact.text(line).replace("\r", "\n").split("\n"):
-            if part.strip():
-                self.stderr_tail.append(part)
-                low = part.lower()
-                level = "error" if ("error" in low or part.startswith("Traceback")) else "info"
-                self.collector.log(level, part)
+        for level, part in stderr_parts(self.redact.text(line)):
+            self.stderr_tail.append(part)
+            self.collector.log(level, part)
 
-    # ---------------------------------------------------------------- outcome
+    # ---------------------------------------------------------------- outcome (`worker.outcome`)
 
     def _exit(self, rc: int) -> str:
         with session_scope(self.factory) as s:
             status = job_status(s, self.lease.job_id)
-        step = self.collector.last_checkpoint_step
         stopped_cleanly = rc == EXIT_CODES["interrupted"] or (
             self.term_sent_at is not None and self.collector.checkpoints_seen > self.checkpoints_at_term)
-        where = f"checkpoint step {step}" if step is not None else "the last complete checkpoint"
-        if status == states.CANCELLING:
-            return self._end(states.CANCELLED, event=("cancelled", "cancelled by request"))
-        if rc == 0:
-            late = " (the pause request came after the last step)" if status == states.PAUSING else ""
-            return self._end(states.SUCCEEDED, event=("succeeded", "training finished" + late))
-        if status == states.PAUSING and (stopped_cleanly or self.kill_sent):
-            return self._end(states.PAUSED, event=("paused", f"paused; resume continues from {where}"))
-        if self.shutdown and stopped_cleanly:
-            return self._requeue(message=f"worker shut down; requeued, resumes from {where}")
-        if rc < 0 or rc == EXIT_CODES["interrupted"]:
-            name = signal.Signals(-rc).name if rc < 0 else "SIGTERM"
-            why = f"trainer killed by {name}" + (" (the kernel OOM killer sends SIGKILL)" if rc == -9 else "")
-            return self._crash(why=why, code="host_oom" if rc == -9 else "trainer_killed")
-        failure = classify_exit(returncode=rc, stderr_tail=list(self.stderr_tail), last_error=self.collector.last_error)
-        if failure.restart:  # a new attempt resumes from what was done (regeneration cache, checkpoints)
-            return self._crash(why=f"{failure.code}: {self.redact.text(failure.message)}", code=failure.code)
-        return self._end(states.FAILED, code=failure.code, message=failure.message, retryable=failure.retryable,
-                         event=("error", f"{failure.code}: {failure.message}"))
+        ending = decide_ending(rc=rc, status=status, stopped_cleanly=stopped_cleanly, kill_sent=self.kill_sent,
+                               shutdown=self.shutdown, checkpoint_step=self.collector.last_checkpoint_step,
+                               stderr_tail=list(self.stderr_tail), last_error=self.collector.last_error,
+                               redact=self.redact.text)
+        if ending.crash:  # a stopping worker could take the requeued job back: the reaper sends it
+            return record_crash(self.factory, self.lease, ending, publisher=self.publisher,
+                                send_task=None if self.shutdown else self.send_task)
+        return record_ending(self.factory, self.lease, ending, redact=self.redact.text, publisher=self.publisher)
 
     def _end(self, status: str, *, code: str | None = None, message: str | None = None, retryable: bool | None = None,
              event: tuple[str, str] | None = None) -> str:
-        message = self.redact.text(message) if message is not None else None
-        event = (event[0], self.redact.text(event[1])) if event is not None else None
-        with session_scope(self.factory) as s:
-            ok = finish(s, self.lease, status=status, error_code=code, error_message=message,
-                        retryable=retryable, event=event)
-        if not ok:
-            return Outcome.LEASE_LOST
-        if self.publisher is not None:
-            self.publisher.publish_status(self.lease.job_id, status)
-        return status
-
-    def _requeue(self, *, message: str) -> str:
-        # No message is sent here: the worker is stopping and could still take it (then die with it).
-        # The job is queued with no task id, so a reaper sends it once a worker is there.
-        return self._end(states.QUEUED, event=("interrupted", message))
-
-    def _crash(self, *, why: str, code: str) -> str:
-        with session_scope(self.factory) as s:
-            act = requeue_crashed(s, self.lease, reason=why, code=code)
-        if act is None:
-            return Outcome.LEASE_LOST
-        if act.status == states.QUEUED and not self.shutdown:  # a stopping worker could take it back
-            self._send()
-        if self.publisher is not None:
-            self.publisher.publish_status(self.lease.job_id, act.status)
-        return act.status
-
-    def _send(self) -> None:
-        if self.send_task is None:
-            return  # the reaper re-sends queued jobs that have no broker message
-        try:
-            task_id = self.send_task(self.lease.job_id, self.lease.queue)
-        except Exception as exc:  # noqa: BLE001 - broker down: the reaper re-sends later
-            log.warning("job %s: requeue message not sent (%s); the reaper will", self.lease.job_id, exc)
-            return
-        with session_scope(self.factory) as s:
-            record_task_id(s, self.lease.job_id, task_id, only_if_unsent=True)
+        return record_ending(self.factory, self.lease, Ending(status, code=code, message=message, retryable=retryable,
+                                                              event=event), redact=self.redact.text, publisher=self.publisher)

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from peagle.run_folder import job_dir
 from service.db import states
 from service.db.lease import ConcurrencyLimited, claim_job, defer_claim, finish
 from service.db.session import make_engine, make_session_factory, session_scope
@@ -52,7 +53,7 @@ def run_job(settings: Settings, job_id: str, *, lease_owner: str | None = None) 
         try:
             with session_scope(factory) as s:
                 lease = claim_job(s, job_id, owner=owner, lease_seconds=settings.lease_seconds,
-                                  artifact_dir=str(settings.resolved_artifact_root() / job_id),
+                                  artifact_dir=str(job_dir(settings.resolved_artifact_root(), job_id)),
                                   max_concurrent=settings.max_concurrent_jobs)
         except ConcurrencyLimited as exc:
             with session_scope(factory) as s:

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import SESSION_COOKIE, forget_session, sign_token, verify_token
 from api.deps import DB, Reader, State, releases_db
 from api.errors import ApiError
+from api.job_lookup import load_job
 from api.openapi import AUTH, error_responses, header
-from api.routes.jobs import load_job
 from api.schemas import SessionCreate, TokenOut, WhoAmI
 from service.db import repo
 from service.db.models import AuthSession, new_id, utcnow

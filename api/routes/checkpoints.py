@@ -27,9 +27,17 @@ from fastapi.responses import FileResponse
 from api.checkpoint_schemas import CheckpointList, ServeCommand
 from api.deps import DB, DownloadReader, Reader, State, releases_db
 from api.errors import ApiError
+from api.job_lookup import load_job
 from api.openapi import AUTH, error_responses, header
-from api.routes.jobs import load_job
 from peagle.fileio import atomic_path, atomic_write_text
+from peagle.run_folder import (
+    archive_cache_file,
+    archive_file,
+    archive_folder,
+    is_complete,
+    job_dir,
+    resolve_inside,
+)
 from peagle.spec import metrics as metric_keys
 from peagle.spec import portable_verifier
 from peagle.spec.files import TRAINING_ONLY_FILES
@@ -75,20 +83,6 @@ _RANGE_PARAMETERS = {"parameters": [
 ]}
 
 
-def job_dir(settings: Settings, job: Job) -> Path:
-    """The job's run directory (`artifact_dir`, relative to the artifact root unless absolute)."""
-    root = settings.resolved_artifact_root()
-    if job.artifact_dir:
-        p = Path(job.artifact_dir)
-        return p if p.is_absolute() else root / p
-    return root / job.id
-
-
-#: The marker the trainer writes last into a checkpoint folder (`peagle.train.checkpoint.COMPLETE`, which
-#: imports torch).
-COMPLETE_MARKER = "COMPLETE"
-
-
 def _ckpt(session: Any, settings: Settings, job: Job, step: int) -> Checkpoint:
     """The complete checkpoint of `step` whose folder still exists, else 404."""
     ck = repo.get_checkpoint(session, job.id, step)
@@ -100,22 +94,17 @@ def _ckpt(session: Any, settings: Settings, job: Job, step: int) -> Checkpoint:
 def _on_disk(settings: Settings, job: Job, ck: Checkpoint) -> bool:
     """Whether the checkpoint's folder is still there and complete (retention deletes old ones)."""
     try:
-        return (_ckpt_dir(settings, job, ck) / COMPLETE_MARKER).is_file()
+        return is_complete(_ckpt_dir(settings, job, ck))
     except ApiError:
         return False
 
 
 def _ckpt_dir(settings: Settings, job: Job, ck: Checkpoint) -> Path:
-    base = job_dir(settings, job).resolve()
-    d = (base / ck.dir).resolve()
-    if not d.is_relative_to(base):
+    """The checkpoint's folder, resolved (404 when its `dir` leaves the job's run folder)."""
+    d = resolve_inside(job_dir(settings.resolved_artifact_root(), job.id, artifact_dir=job.artifact_dir), ck.dir)
+    if d is None:
         raise ApiError(404, "not_found", "checkpoint directory outside the job's run directory")
     return d
-
-
-def checkpoint_folder(job_id: str, step: int) -> str:
-    """The folder a checkpoint's archive unpacks to (and `peagle jobs download` writes by default)."""
-    return f"{job_id}-step_{step:06d}"
 
 
 def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
@@ -132,7 +121,7 @@ def _checkpoint_out(job: Job, ck: Checkpoint) -> dict[str, Any]:
         "files": [{"path": f["path"], "size": int(f.get("size", 0)), "sha256": f.get("sha256", ""),
                    "url": f"{base}/files/{f['path']}"} for f in ck.files or []],
         "created_at": ck.created_at, "archive_url": f"{base}/archive", "serve_url": f"{base}/serve",
-        "folder": checkpoint_folder(job.id, ck.step),
+        "folder": archive_folder(job.id, ck.step),
         "evaluation": ck.evaluation or None,
     }
 
@@ -165,9 +154,8 @@ def download_file(job_id: str, step: Step, path: str, state: State, session: DB,
     entry = next((f for f in ck.files or [] if f.get("path") == path), None)
     if entry is None or path.startswith("/") or ".." in Path(path).parts:
         raise ApiError(404, "not_found", f"checkpoint {step} has no file {path!r}", param="/path")
-    base = _ckpt_dir(state.settings, job, ck)
-    target = (base / path).resolve()
-    if not target.is_relative_to(base) or not target.is_file():
+    target = resolve_inside(_ckpt_dir(state.settings, job, ck), path)
+    if target is None or not target.is_file():
         raise ApiError(404, "not_found", f"checkpoint {step} has no file {path!r}", param="/path")
     session.close()
     return FileResponse(target, filename=Path(path).name, headers=_digest_headers(str(entry.get("sha256", ""))))
@@ -195,8 +183,8 @@ def build_archive(src: Path, files: list[dict[str, Any]], dest: Path, top: str) 
     with atomic_path(dest) as tmp:
         with tmp.open("wb") as raw, tarfile.open(fileobj=_Hashing(raw), mode="w|", format=tarfile.PAX_FORMAT) as tar:
             for f in sorted(files, key=lambda x: x["path"]):
-                p = (src / f["path"]).resolve()
-                if not p.is_relative_to(src) or not p.is_file():
+                p = resolve_inside(src, f["path"])
+                if p is None or not p.is_file():
                     continue
                 info = tarfile.TarInfo(f"{top}/{f['path']}")
                 info.size, info.mtime, info.mode = p.stat().st_size, 0, 0o644
@@ -224,15 +212,15 @@ def download_archive(
     ck = _ckpt(session, state.settings, job, step)
     files = [f for f in ck.files or [] if training_state or f.get("path") not in TRAINING_ONLY_FILES]
     key = hashlib.sha256(json.dumps([job.id, step, files], sort_keys=True).encode()).hexdigest()[:16]
-    dest = state.settings.home.resolve() / "cache" / "archives" / job.id / f"step_{step:06d}-{key}.tar"
+    dest = archive_cache_file(state.settings.home.resolve(), job.id, step, key)
     src = _ckpt_dir(state.settings, job, ck)
     session.close()
     sidecar = dest.with_suffix(".sha256")
     if dest.is_file() and sidecar.is_file():
         sha = sidecar.read_text().strip()
     else:
-        sha = build_archive(src, files, dest, checkpoint_folder(job.id, step))
-    return FileResponse(dest, filename=f"{checkpoint_folder(job.id, step)}.tar", media_type="application/x-tar",
+        sha = build_archive(src, files, dest, archive_folder(job.id, step))
+    return FileResponse(dest, filename=archive_file(job.id, step), media_type="application/x-tar",
                         headers=_digest_headers(sha))
 
 
@@ -288,7 +276,7 @@ def serve_command(job_id: str, step: Step, state: State, session: DB, principal:
     # No server path in the answer: the draft is the folder the archive unpacks to (and `peagle jobs download`
     # writes by default), and a verifier an older export named by a host folder (a builtin's cache) is
     # named portably from the job's own spec (`peagle.spec.targets`).
-    name = checkpoint_folder(job.id, step)
+    name = archive_folder(job.id, step)
     target = job.spec.get("target") or {}
     own = {target.get(k) for k in ("model", "name_or_path")} - {None}
     if str(verifier).startswith("/") and verifier not in own:

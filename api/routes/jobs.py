@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
-import re
 from typing import Annotated, Any
 
 import sqlalchemy as sa
@@ -20,12 +18,11 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import authorize
 from api.checkpoint_schemas import Estimate
 from api.deps import DB, AppState, ReadDB, Reader, State, Writer, releases_db
-from api.errors import ApiError, spec_error
-from api.estimate import estimate
+from api.errors import ApiError
 from api.history import history
+from api.job_lookup import is_job_id, load_job, no_job
 from api.openapi import AUTH, error_responses, header
-from api.preflight import Preflight, WorkerCheck, preflight
-from api.responses import json_ok, jsonable
+from api.responses import json_ok
 from api.schemas import (
     CloneRequest,
     JobCreate,
@@ -34,91 +31,29 @@ from api.schemas import (
     JobPage,
     job_public,
 )
-from peagle.spec import SpecInvalidError, TrainSpec, parse_spec, preset, preset_names
+from api.submission import (
+    check_spec,
+    deep_merge,
+    owner_quota,
+    parse_merged,
+    queue_error,
+    quota_error,
+    resolve_spec,
+    submit,
+)
+from peagle.run_folder import job_dir
 from service.channels import live_channel, wake_payload
 from service.db import aio, jobs, repo, states
 from service.db.models import Job
-from service.queue import train_queue
+from service.estimate import estimate
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 log = logging.getLogger("peagle.api")
-
-RETRY_AFTER_S = 30
-_ID = re.compile(r"[A-Za-z0-9_]{1,64}")
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `over` merged in recursively (dicts merge, everything else replaces)."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _resolve_spec(body: JobCreate) -> TrainSpec:
-    if (body.spec is None) == (body.preset is None):
-        raise ApiError(422, "validation_error", "send exactly one of 'spec' or 'preset'", param="/spec",
-                       details=[{"param": "/spec", "message": "exactly one of spec or preset is required"}])
-    if body.preset is not None:
-        if body.preset not in preset_names():
-            raise ApiError(422, "validation_error", f"unknown preset {body.preset!r}; known: {preset_names()}",
-                           param="/preset", details=[{"param": "/preset", "message": "unknown preset"}])
-        base = preset(body.preset).model_dump(mode="json")
-        data: dict[str, Any] | None = deep_merge(base, body.overrides) if body.overrides else base
-    else:
-        if body.overrides:
-            raise ApiError(422, "validation_error", "'overrides' only applies to a preset", param="/overrides",
-                           details=[{"param": "/overrides", "message": "only with preset"}])
-        data = body.spec
-    try:
-        return parse_spec(data)
-    except SpecInvalidError as exc:
-        raise spec_error(exc) from None
 
 
 def _body_hash(body: JobCreate) -> str:
     blob = json.dumps(body.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _quota(state: AppState) -> jobs.Quota:
-    return jobs.Quota(max_queued=state.settings.max_queued_jobs, max_concurrent=state.settings.max_concurrent_jobs)
-
-
-def _quota_error(exc: jobs.QuotaExceeded) -> ApiError:
-    return ApiError(429, "quota_exceeded", str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def _queue_error(exc: jobs.QueueUnavailable) -> ApiError:
-    # A generic reason only: the broker's address and error are in the server log (service.db.jobs).
-    return ApiError(503, "queue_unavailable", f"{exc}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def _preflight(state: AppState, session: Session, owner_id: int, spec: TrainSpec, *, queue: str,
-               dry_run: bool = False) -> Preflight:
-    """`api.preflight`: 422 for what the owner may not name or what cannot run (a dry run only reports the
-    latter), the workers of `queue` included; the reports of the owner's datasets."""
-    settings = state.settings
-    workers = WorkerCheck(queue=queue, mode=settings.worker_check, stale_after_s=settings.lease_seconds)
-    checked = preflight(session, owner_id, spec, settings.model_roots, vllm_available=state.vllm_available,
-                        hub=state.hub_probe, workers=workers, artifact_root=settings.resolved_artifact_root())
-    checked.check(dry_run=dry_run)
-    return checked
-
-
-def submit(state: AppState, session: Session, principal: repo.Principal, spec: TrainSpec, *, name: str | None,
-           tags: list[str] | None, queue: str | None, idem: tuple[str, str] | None = None) -> Job:
-    """`service.db.jobs.create_job` for the caller, under the owner's quota; 429 or 503 as `ApiError`."""
-    try:
-        return jobs.create_job(
-            session, owner_id=principal.owner_id, spec=spec.model_dump(mode="json"), name=name or spec.name or "",
-            tags=tags or list(spec.tags), queue=train_queue(queue or state.settings.worker_queue, spec.resources),
-            max_restarts=spec.resources.max_restarts, send=state.producer.send_train, quota=_quota(state),
-            idempotency=idem, answer=lambda values: jsonable(job_public(values)))
-    except jobs.QuotaExceeded as exc:
-        raise _quota_error(exc) from None
-    except jobs.QueueUnavailable as exc:
-        raise _queue_error(exc) from None
 
 
 @router.post(
@@ -145,14 +80,13 @@ def create_job(
     usable row, a missing model folder); the dry run answers `valid: false` with the same `problems`.
     Same `Idempotency-Key` + same body replays the first answer; a different body is 409.
     """
-    spec = _resolve_spec(body)
+    spec = resolve_spec(body)
     queue = body.queue or state.settings.worker_queue
-    checked = _preflight(state, session, principal.owner_id, spec, queue=queue, dry_run=dry_run)
+    checked = check_spec(state, session, principal.owner_id, spec, queue=queue, dry_run=dry_run)
     if dry_run:
-        from api.routes.checkpoints import job_dir  # that module imports this one
-
         running, queued = repo.queue_ahead(session, queue)
-        past = history(session, queue, run_dir=lambda job: job_dir(state.settings, job))
+        root = state.settings.resolved_artifact_root()
+        past = history(session, queue, run_dir=lambda job: job_dir(root, job.id, artifact_dir=job.artifact_dir))
         est = estimate(spec, dataset_rows=checked.reports, queue=queue, queue_position=running + queued,
                        queue_running=running, history=past,
                        vllm_available=state.vllm_available)
@@ -243,14 +177,6 @@ def _list_sync(state: AppState, query: repo.JobPageQuery) -> tuple[list[dict[str
         return repo.list_jobs(conn, query)
 
 
-def load_job(session: Session, principal: repo.Principal, job_id: str, *, lock: bool = False) -> Job:
-    """The caller's job or 404 (also for another owner's job)."""
-    job = repo.get_job(session, principal.owner_id, job_id, lock=lock) if _ID.fullmatch(job_id) else None
-    if job is None:
-        raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
-    return job
-
-
 @router.get("/{job_id}", response_model=JobOut, operation_id="jobs-get", summary="Get one job",
             responses=error_responses(*AUTH, 404, 422))
 @releases_db
@@ -262,17 +188,17 @@ def get_job(job_id: str, session: ReadDB, principal: Reader) -> Any:
 
 
 def _act(state: AppState, session: Session, principal: repo.Principal, job_id: str, action: str) -> Any:
-    if not _ID.fullmatch(job_id):
-        raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
+    if not is_job_id(job_id):
+        raise no_job(job_id)
     try:
         applied = jobs.apply_action(session, owner_id=principal.owner_id, job_id=job_id, action=action,
-                                    send=state.producer.send_train, quota=_quota(state))
+                                    send=state.producer.send_train, quota=owner_quota(state))
     except jobs.QuotaExceeded as exc:
-        raise _quota_error(exc) from None
+        raise quota_error(exc) from None
     except jobs.QueueUnavailable as exc:
-        raise _queue_error(exc) from None
+        raise queue_error(exc) from None
     if applied is None:
-        raise ApiError(404, "not_found", f"no job {job_id!r}", param="/job_id")
+        raise no_job(job_id)
     if applied.changed:
         publish(state, applied.job)
     return job_public(applied.job)
@@ -323,12 +249,8 @@ def clone_job(job_id: str, state: State, session: DB, principal: Writer,
     """A fresh job (new id, attempt 0) from the spec of `job_id`, overrides deep-merged."""
     src = load_job(session, principal, job_id)
     body = body or CloneRequest()
-    data = deep_merge(src.spec, body.overrides or {})
-    try:
-        spec = parse_spec(data)
-    except SpecInvalidError as exc:
-        raise spec_error(exc, prefix=()) from None
-    _preflight(state, session, principal.owner_id, spec, queue=src.queue)
+    spec = parse_merged(deep_merge(src.spec, body.overrides or {}))
+    check_spec(state, session, principal.owner_id, spec, queue=src.queue)
     job = submit(state, session, principal, spec, name=body.name or f"{src.name} (clone)"[:200],
                  tags=body.tags, queue=src.queue)
     return job_public(job)

@@ -6,7 +6,7 @@
 - `GET /v1/promotion/current`, `GET /v1/promotion/decisions`: the current draft per target and the log.
 - `POST /v1/promotion/promote` (forced), `POST /v1/promotion/undo`: the owner's own decisions.
 
-Everything is the caller's own: another owner's job is 404, as in `api.routes.jobs`.
+Everything is the caller's own: another owner's job is 404 (`api.job_lookup`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import DB, ReadDB, Reader, State, Writer, releases_db
-from api.errors import ApiError, spec_error
+from api.errors import ApiError
+from api.job_lookup import load_job
 from api.openapi import AUTH, error_responses
-from api.routes.jobs import _preflight, deep_merge, load_job, submit
 from api.schemas import JobOut, SpecSchema, Tag, job_public
-from peagle.spec import DATASET_PREFIX, DataSource, SpecInvalidError, parse_spec
+from api.submission import check_spec, deep_merge, parse_merged, submit
+from peagle.run_folder import job_ref
+from peagle.spec import DATASET_PREFIX, DataSource
 from service.db import promotion, states
 from service.db.init_from import init_source
 
@@ -143,13 +145,10 @@ def retrain_job(job_id: str, body: RetrainRequest, state: State, session: DB, pr
         raise ApiError(422, "validation_error", "name the new data: 'datasets' (uploaded dataset ids) or 'sources'",
                        param="/datasets", details=[{"param": "/datasets", "message": "no new data"}])
     data = deep_merge(parent.spec, body.overrides or {})
-    data = deep_merge(data, {"data": {"sources": sources}, "draft": {"init_from": f"job:{parent.id}" + (
-        f"@step_{body.checkpoint_step}" if body.checkpoint_step is not None else "")}})
-    try:
-        spec = parse_spec(data)
-    except SpecInvalidError as exc:
-        raise spec_error(exc, prefix=()) from None
-    _preflight(state, session, principal.owner_id, spec, queue=parent.queue)
+    data = deep_merge(data, {"data": {"sources": sources},
+                             "draft": {"init_from": job_ref(parent.id, body.checkpoint_step)}})
+    spec = parse_merged(data)
+    check_spec(state, session, principal.owner_id, spec, queue=parent.queue)
     job = submit(state, session, principal, spec, name=body.name or f"{parent.name} (retrain)"[:200],
                  tags=body.tags, queue=parent.queue)
     promotion.add_retrain(session, child_job_id=job.id, parent_job_id=parent.id, owner_id=principal.owner_id,
@@ -197,7 +196,7 @@ def force_promote(body: PromoteRequest, state: State, session: DB, principal: Wr
     step = body.checkpoint_step if body.checkpoint_step is not None else job.best_checkpoint_step
     if step is None:
         raise _no_checkpoint(f"job {job.id} has no best checkpoint: name one of its checkpoints (checkpoint_step)")
-    found = init_source(session, principal.owner_id, f"job:{job.id}@step_{step}",
+    found = init_source(session, principal.owner_id, job_ref(job.id, step),
                         artifact_root=state.settings.resolved_artifact_root())
     if found.export_dir is None:
         raise _no_checkpoint(found.problem or f"job {job.id} has no complete checkpoint at step {step}")

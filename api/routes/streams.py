@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from api.deps import ReadDB, Reader, TokenReader, releases_db
+from api.job_lookup import load_job
 from api.openapi import AUTH, error_responses
 from api.records import public_record
 from api.responses import json_ok
-from api.routes.jobs import load_job
 from api.schemas import EventPage, LogPage, MetricPage
 from service.db import repo
 

@@ -9,9 +9,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import DB, Reader, releases_db
+from api.job_lookup import load_job
 from api.openapi import AUTH, error_responses
 from api.records import worker_label
-from api.routes.jobs import load_job
 from service.db.engine_tasks import IN_FLIGHT, task_rows
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])

@@ -23,11 +23,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peagle.eval.speedup import SpeedupPlan
 from peagle.progress import NullSink, ProgressSink, format_duration
 from peagle.spec import HELDOUT_PROMPT_SET
+
+if TYPE_CHECKING:
+    from peagle.eval.parity import ParityResult
 
 __all__ = ["EVAL_DTYPES", "PARITY_SET", "reference_dtypes", "run_eval"]
 
@@ -159,21 +162,12 @@ def run_eval(
         ValueError: `speedup` without vLLM, or an unknown `dtype`.
         TargetLoadError: no loadable target.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from peagle.builtin import local_verifier
     from peagle.data.prompts import PromptSources, prompt_set_ids, run_heldout_prompts
     from peagle.errors import TargetLoadError
-    from peagle.eval.parity import PARITY_FILE, check_parity, read_parity
-    from peagle.eval.reference import evaluate_prompts
-    from peagle.eval.serve_check import compare_reports, measure_vllm, run_vllm_probe
-    from peagle.export.writer import (
-        check_export,
-        load_exported_draft,
-        num_speculative_tokens_of,
-        read_export_config,
-        verifier_of,
-    )
+    from peagle.eval.serve_check import compare_reports
+    from peagle.export.writer import check_export, num_speculative_tokens_of, read_export_config
 
     if speedup is not None and engine not in ("vllm", "both"):
         raise ValueError("--speedup measures vLLM serving: use --engine vllm (or both)")
@@ -182,14 +176,8 @@ def run_eval(
     check_export(export_dir)
     cfg = read_export_config(export_dir)
     k = num_speculative_tokens or num_speculative_tokens_of(cfg)
-    verifier = verifier_of(cfg)
-    if not (target or verifier):
-        raise TargetLoadError("no target: pass --target (the export names no verifier)")
-    try:  # the export names a portable verifier; this machine loads its local folder
-        tpath = target or local_verifier(str(verifier))
-    except (ValueError, FileNotFoundError) as exc:
-        raise TargetLoadError(f"verifier {verifier!r} cannot be loaded here: {exc}; pass --target") from None
-    target_dtype, draft_dtype = reference_dtypes(cfg, dtype)
+    tpath = _target_path(cfg, target)
+    dtypes = reference_dtypes(cfg, dtype)
     out_sink.log("info", f"evaluating {export_dir} against {tpath} ({engine})")
     try:
         tok = AutoTokenizer.from_pretrained(str(tpath))
@@ -202,57 +190,13 @@ def run_eval(
     out: dict[str, Any] = {"prompts": first, "num_prompts": len(sets[first]), "max_new_tokens": max_new_tokens}
     ref: dict[str, dict[str, Any]] = {}
     if engine in ("reference", "both"):
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=target_dtype).eval()
-        except (OSError, ValueError) as exc:
-            raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
-        draft = load_exported_draft(export_dir, dtype=draft_dtype, validate=False)
-        eos = model.generation_config.eos_token_id
-        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        for i, (name, ids) in enumerate(sets.items()):
-            out_sink.log("info", f"reference decoder: prompt set {name} ({len(ids)} prompts, K={k}, "
-                                 f"{max_new_tokens} new tokens each)")
-            rep = evaluate_prompts(model, draft, ids, num_speculative_tokens=k, max_new_tokens=max_new_tokens,
-                                   eos_token_ids=eos_ids)  # fmt: skip
-            ref[name] = {"engine": "reference", **rep.to_dict(with_outputs=True)}
-            out_sink.event("progress", phase="evaluating", step=i + 1, total_steps=len(sets))
-            out_sink.log("info", f"reference decoder: prompt set {name}: acceptance_length "
-                                 f"{ref[name].get('acceptance_length')}")
+        ref = _reference_reports(export_dir, tpath, sets, k=k, max_new_tokens=max_new_tokens, dtypes=dtypes,
+                                 sink=out_sink)
         out.update({"engine": "reference", **_slim(ref[first])})
         out["prompt_sets"] = {name: _slim(r) for name, r in ref.items()}
     if engine in ("vllm", "both"):
-        what = f"vLLM: AL on {', '.join(sets)} at K={k}" + (f", {_speedup_text(speedup)}" if speedup else "")
-        record = read_parity(export_dir)
-        # the record's prompts ride along in the same engine start when its settings are the asked ones
-        same = record is not None and (int(record["num_speculative_tokens"]), int(record["max_new_tokens"])) \
-            == (k, max_new_tokens)
-        measured = {**sets, PARITY_SET: [list(p) for p in record["prompts"]]} if same and record else sets
-        out_sink.log("info", f"{what}: starting the engines")
-        with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:  # the probe's log, read as it grows
-            log = Path(tmp) / "vllm.log"
-            with _heartbeat(out_sink, "vLLM probe", every_s=heartbeat_s, log=log):
-                res = measure_vllm(export_dir, measured, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
-                                   speedup=speedup, verifier=tpath, log_path=log)  # fmt: skip
-                facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
-                if record is None:
-                    parity = None
-                    out_sink.log("info", f"served parity not checked: {export_dir} has no {PARITY_FILE} (written "
-                                         "by a job's evaluation with the reference decoder)")  # fmt: skip
-                else:
-                    if same:
-                        on_record = {**facts, **res["prompt_sets"].pop(PARITY_SET)}
-                    else:
-                        out_sink.log("info", f"served parity: the recorded prompts at the recorded K="
-                                             f"{record['num_speculative_tokens']}, {record['max_new_tokens']} new "
-                                             "tokens (another engine start)")  # fmt: skip
-                        on_record = run_vllm_probe(
-                            export_dir, [list(p) for p in record["prompts"]],
-                            max_new_tokens=int(record["max_new_tokens"]),
-                            num_speculative_tokens=int(record["num_speculative_tokens"]), verifier=tpath, log_path=log)
-                    parity = check_parity(record, on_record)
-                    if not parity.fails:  # a failure is the error line `peagle eval` ends with
-                        out_sink.log("info" if parity.ok else "warning", parity.message)
-        out_sink.log("info", "vLLM: done")
+        res, facts, parity = _vllm_reports(export_dir, tpath, sets, k=k, max_new_tokens=max_new_tokens,
+                                           speedup=speedup, sink=out_sink, heartbeat_s=heartbeat_s)
         v_first = {**facts, **_slim(res["prompt_sets"][first])}
         if not ref:
             out.update(v_first)
@@ -263,3 +207,107 @@ def run_eval(
         out["serving"] = res["serving"]
         out["parity"] = parity.to_dict() if parity is not None else None
     return out
+
+
+def _target_path(export_config: dict[str, Any], target: str | None) -> str | Path:
+    """The target both engines load: `target`, else the export's verifier mapped to this machine
+    (`peagle.builtin.local_verifier`).
+
+    Raises:
+        TargetLoadError: no `target` and the export names no verifier, or its verifier is not here.
+    """
+    from peagle.builtin import local_verifier
+    from peagle.errors import TargetLoadError
+    from peagle.export.writer import verifier_of
+
+    verifier = verifier_of(export_config)
+    if not (target or verifier):
+        raise TargetLoadError("no target: pass --target (the export names no verifier)")
+    try:  # the export names a portable verifier; this machine loads its local folder
+        return target or local_verifier(str(verifier))
+    except (ValueError, FileNotFoundError) as exc:
+        raise TargetLoadError(f"verifier {verifier!r} cannot be loaded here: {exc}; pass --target") from None
+
+
+def _reference_reports(export_dir: str | Path, tpath: str | Path, sets: dict[str, list[list[int]]], *, k: int,
+                       max_new_tokens: int, dtypes: tuple[Any, Any], sink: ProgressSink) -> dict[str, dict[str, Any]]:
+    """The reference decoder's report of each prompt set (`peagle.eval.reference.evaluate_prompts`, outputs
+    included), with the target and the draft in `dtypes` = (target dtype, draft dtype); one `progress` event
+    per set.
+
+    Raises:
+        TargetLoadError: the target does not load.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from peagle.errors import TargetLoadError
+    from peagle.eval.reference import evaluate_prompts
+    from peagle.export.writer import load_exported_draft
+
+    target_dtype, draft_dtype = dtypes
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(tpath), dtype=target_dtype).eval()
+    except (OSError, ValueError) as exc:
+        raise TargetLoadError(f"target {tpath!r} cannot be loaded: {str(exc).splitlines()[0]}") from None
+    draft = load_exported_draft(export_dir, dtype=draft_dtype, validate=False)
+    eos = model.generation_config.eos_token_id
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    ref: dict[str, dict[str, Any]] = {}
+    for i, (name, ids) in enumerate(sets.items()):
+        sink.log("info", f"reference decoder: prompt set {name} ({len(ids)} prompts, K={k}, "
+                         f"{max_new_tokens} new tokens each)")
+        rep = evaluate_prompts(model, draft, ids, num_speculative_tokens=k, max_new_tokens=max_new_tokens,
+                               eos_token_ids=eos_ids)  # fmt: skip
+        ref[name] = {"engine": "reference", **rep.to_dict(with_outputs=True)}
+        sink.event("progress", phase="evaluating", step=i + 1, total_steps=len(sets))
+        sink.log("info", f"reference decoder: prompt set {name}: acceptance_length "
+                         f"{ref[name].get('acceptance_length')}")
+    return ref
+
+
+def _vllm_reports(
+    export_dir: str | Path, tpath: str | Path, sets: dict[str, list[list[int]]], *, k: int, max_new_tokens: int,
+    speedup: SpeedupPlan | None, sink: ProgressSink, heartbeat_s: float,
+) -> tuple[dict[str, Any], dict[str, Any], ParityResult | None]:
+    """vLLM's measurement of the prompt sets (`peagle.eval.serve_check.measure_vllm`, with `speedup` the
+    serving speedup too) and the served-parity gate on the export's parity record (None without one).
+
+    Returns:
+        (the measurement: `prompt_sets` and `serving`, the measurement's facts without them, the parity check).
+    """
+    from peagle.eval.parity import PARITY_FILE, check_parity, read_parity
+    from peagle.eval.serve_check import measure_vllm, run_vllm_probe
+
+    what = f"vLLM: AL on {', '.join(sets)} at K={k}" + (f", {_speedup_text(speedup)}" if speedup else "")
+    record = read_parity(export_dir)
+    # the record's prompts ride along in the same engine start when its settings are the asked ones
+    same = record is not None and (int(record["num_speculative_tokens"]), int(record["max_new_tokens"])) \
+        == (k, max_new_tokens)
+    measured = {**sets, PARITY_SET: [list(p) for p in record["prompts"]]} if same and record else sets
+    sink.log("info", f"{what}: starting the engines")
+    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:  # the probe's log, read as it grows
+        log = Path(tmp) / "vllm.log"
+        with _heartbeat(sink, "vLLM probe", every_s=heartbeat_s, log=log):
+            res = measure_vllm(export_dir, measured, max_new_tokens=max_new_tokens, num_speculative_tokens=k,
+                               speedup=speedup, verifier=tpath, log_path=log)  # fmt: skip
+            facts = {k_: v for k_, v in res.items() if k_ not in ("prompt_sets", "serving")}
+            if record is None:
+                parity = None
+                sink.log("info", f"served parity not checked: {export_dir} has no {PARITY_FILE} (written "
+                                 "by a job's evaluation with the reference decoder)")  # fmt: skip
+            else:
+                if same:
+                    on_record = {**facts, **res["prompt_sets"].pop(PARITY_SET)}
+                else:
+                    sink.log("info", f"served parity: the recorded prompts at the recorded K="
+                                     f"{record['num_speculative_tokens']}, {record['max_new_tokens']} new "
+                                     "tokens (another engine start)")  # fmt: skip
+                    on_record = run_vllm_probe(
+                        export_dir, [list(p) for p in record["prompts"]],
+                        max_new_tokens=int(record["max_new_tokens"]),
+                        num_speculative_tokens=int(record["num_speculative_tokens"]), verifier=tpath, log_path=log)
+                parity = check_parity(record, on_record)
+                if not parity.fails:  # a failure is the error line `peagle eval` ends with
+                    sink.log("info" if parity.ok else "warning", parity.message)
+    sink.log("info", "vLLM: done")
+    return res, facts, parity

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import typer
 
 from peagle.errors import EXIT_CODES, PeagleError, TrainingInterrupted
+from peagle.run_folder import CHECKPOINTS, EXPORT, STATE_FILE
 from peagle.train.signals import stop_reason
 
 __all__ = ["register"]
@@ -257,13 +258,13 @@ def _export_dir_of(path: Path) -> Path:
         raise CheckpointError(f"{path}: no such directory")
     if (path / "config.json").is_file():
         return path
-    if (path / "export" / "config.json").is_file():
-        return path / "export"
-    state = path / "checkpoints" / "state.json"
+    if (path / EXPORT / "config.json").is_file():
+        return path / EXPORT
+    state = path / CHECKPOINTS / STATE_FILE
     if state.is_file():
         best = json.loads(state.read_text()).get("best")
-        if best and (path / "checkpoints" / best / "config.json").is_file():
-            return path / "checkpoints" / best
+        if best and (path / CHECKPOINTS / best / "config.json").is_file():
+            return path / CHECKPOINTS / best
     raise CheckpointError(f"{path}: not an export, checkpoint or run directory (no config.json)")
 
 
@@ -320,7 +321,7 @@ def validate_cmd(
     from peagle.errors import ExportInvalidError
     from peagle.export.rules import validate_export_report
 
-    target = directory / "export" if (directory / "export" / "config.json").is_file() else directory
+    target = directory / EXPORT if (directory / EXPORT / "config.json").is_file() else directory
     report = validate_export_report(target, portable=portable)
     bad = report.errors
     not_here = [] if bad or portable else vllm_here_problems(target)  # valid, but this machine's vLLM cannot run it

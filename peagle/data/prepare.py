@@ -239,21 +239,9 @@ def prepare_data(
     data_dir.mkdir(parents=True, exist_ok=True)
     plan = regeneration_plan(spec, tokenizer, run_dir, model=model, regen_engine=regen_engine)
     key = data_cache_key(spec, regen=plan.group if plan is not None else None)
-    cached = data_dir / "prepared.pt"
-    if cached.exists() and (data_dir / "vocab.safetensors").exists():
-        blob = torch.load(cached, weights_only=True)
-        if blob.get("key") == key:
-            _log(sink, "prepared data reloaded from RUN/data (same spec hash)")
-            report = json.loads((data_dir / "report.json").read_text())
-            _emit(sink, "data", message="data funnel (reloaded)", funnel=report.get("funnel"))
-            return PreparedData(
-                PackedRows(*blob["train"]),
-                PackedRows(*blob["eval"]),
-                load_vocab(data_dir / "vocab.safetensors"),
-                int(blob["mask_token_id"]),
-                report,
-                data_dir,
-            )
+    reloaded = _reload(data_dir, key, sink)
+    if reloaded is not None:
+        return reloaded
     d = spec.data
     _emit(sink, "phase", phase="preparing_data", message="reading, templating and packing the data")
     rows, src_reports = _read_sources(spec, dataset_root, keep_prompts_only=plan is not None)
@@ -267,12 +255,75 @@ def prepare_data(
         if spec.resources.engine is not None and plan.settings.engine == "vllm":
             _regenerate_on_engine_workers(spec, plan, convs, Path(run_dir), sink)
         regen_dropped, regen_report, chat, convs = _regenerate(plan, tokenizer, chat, convs, sink)
+    docs, truncated, cut = _encode(rows, chat, convs, tokenizer, spec, workers=workers)
+    valid, skipped, bad_rows = _screen(rows, docs, cut, regen_dropped, spec, target_vocab_size)
+    keep_train, keep_eval = _hold_out(valid, d.eval_samples, spec.optim.seed)
+    if not keep_train:
+        raise DataInvalidError(f"no training conversation left after templating: skipped {skipped}")
+
+    _emit(sink, "phase", phase="building_vocab", message="draft vocabulary and mask token")
+    counts, vocab, mask_id, how = _vocab_and_mask(spec, tokenizer, docs, keep_train, keep_eval, target_vocab_size)
+    save_vocab(vocab, data_dir / "vocab.safetensors")
+
+    train = pack_documents([docs[i] for i in keep_train], spec.optim.pack_length, spec.optim.seed)
+    evalr = pack_documents([docs[i] for i in keep_eval], spec.optim.pack_length, spec.optim.seed)
+    report = _data_report(src_reports, skipped, bad_rows, truncated=truncated, keep_train=keep_train,
+                          keep_eval=keep_eval, train=train, evalr=evalr, counts=counts, vocab=vocab,
+                          mask_id=mask_id, how=how, regen_report=regen_report)
+    (data_dir / "report.json").write_text(json.dumps(report, indent=1))
+    with atomic_path(data_dir / "prepared.pt") as tmp:
+        torch.save(
+            {
+                "key": key,
+                "train": [train.input_ids, train.loss_mask, train.document_ids],
+                "eval": [evalr.input_ids, evalr.loss_mask, evalr.document_ids],
+                "mask_token_id": mask_id,
+            },
+            tmp,
+        )
+    fun = report["funnel"]
+    why = ", ".join(f"{n} {k}" for k, n in fun[DROPPED_BY_REASON].items()) or "none"
+    _emit(sink, "data", message=f"data: {fun['read']} read, {fun['kept']} kept, {fun[DROPPED]} dropped ({why})",
+          funnel=fun)
+    _log(
+        sink,
+        f"data: {fun['read']} read, {fun['kept']} kept, {fun[DROPPED]} dropped ({why}); "
+        f"{len(keep_train)} train / {len(keep_eval)} eval conversations -> {len(train)} rows; "
+        f"Vd={vocab.draft_vocab_size}, mask token {mask_id} ({how})",
+    )
+    return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
+
+
+def _reload(data_dir: Path, key: str, sink: ProgressSink | None) -> PreparedData | None:
+    """The prepared data in `data_dir` when it was prepared under the same cache `key`, else None."""
+    cached = data_dir / "prepared.pt"
+    if not (cached.exists() and (data_dir / "vocab.safetensors").exists()):
+        return None
+    blob = torch.load(cached, weights_only=True)
+    if blob.get("key") != key:
+        return None
+    _log(sink, "prepared data reloaded from RUN/data (same spec hash)")
+    report = json.loads((data_dir / "report.json").read_text())
+    _emit(sink, "data", message="data funnel (reloaded)", funnel=report.get("funnel"))
+    return PreparedData(
+        PackedRows(*blob["train"]),
+        PackedRows(*blob["eval"]),
+        load_vocab(data_dir / "vocab.safetensors"),
+        int(blob["mask_token_id"]),
+        report,
+        data_dir,
+    )
+
+
+def _encode(rows: list[Row], chat: list[int], convs: list[Any], tokenizer: Any, spec: TrainSpec, *,
+            workers: int | None) -> tuple[dict[int, tuple[list[int], list[int]]], int, set[int]]:
+    """Template + mask the conversations `convs` (of the rows `chat`) and cut the pre-tokenised rows at
+    `data.max_length`: (row index -> (input ids, loss mask), truncated conversations, the cut rows' indices)."""
+    d = spec.data
     encoded = tokenize_many(tokenizer, convs, max_length=d.max_length, think=d.think, workers=workers)
     docs: dict[int, tuple[list[int], list[int]]] = {}
     for i, enc in zip(chat, encoded, strict=True):
         docs[i] = (enc.input_ids, enc.loss_mask)
-    skipped: dict[str, int] = {}
-    bad_rows: list[dict[str, Any]] = []
     truncated = sum(e.truncated for e in encoded)
     cut = {i for i, enc in zip(chat, encoded, strict=True) if enc.truncated}
     for i, r in enumerate(rows):
@@ -282,6 +333,20 @@ def prepare_data(
             if len(r.input_ids) > d.max_length:
                 cut.add(i)
             docs[i] = (r.input_ids[: d.max_length], r.loss_mask[: d.max_length])
+    return docs, truncated, cut
+
+
+def _screen(rows: list[Row], docs: dict[int, tuple[list[int], list[int]]], cut: set[int],
+            regen_dropped: dict[int, str], spec: TrainSpec, target_vocab_size: int,
+            ) -> tuple[list[int], dict[str, int], list[dict[str, Any]]]:
+    """(indices of the rows kept, dropped rows by reason, the first 100 dropped rows with their reason).
+
+    A row is dropped when regeneration dropped it, when it was cut before any assistant token, when it has
+    fewer than `data.min_assistant_tokens` supervised tokens, or when a token id is not in the target's vocab.
+    """
+    d = spec.data
+    skipped: dict[str, int] = {}
+    bad_rows: list[dict[str, Any]] = []
     valid = []
     for i in range(len(rows)):
         reason = None
@@ -303,16 +368,27 @@ def prepare_data(
                 )
             continue
         valid.append(i)
-    held = list(valid)
-    random.Random(spec.optim.seed).shuffle(held)
-    n_eval = min(d.eval_samples, max(len(valid) - 1, 0))  # at least one conversation stays for training
-    eval_idx = set(held[:n_eval])
-    keep_train = [i for i in valid if i not in eval_idx]
-    keep_eval = [i for i in valid if i in eval_idx]
-    if not keep_train:
-        raise DataInvalidError(f"no training conversation left after templating: skipped {skipped}")
+    return valid, skipped, bad_rows
 
-    _emit(sink, "phase", phase="building_vocab", message="draft vocabulary and mask token")
+
+def _hold_out(valid: list[int], eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train rows, held-out rows) of `valid`, in their order: `eval_samples` rows drawn with `seed`, at most
+    all but one (at least one conversation stays for training)."""
+    held = list(valid)
+    random.Random(seed).shuffle(held)
+    n_eval = min(eval_samples, max(len(valid) - 1, 0))  # at least one conversation stays for training
+    eval_idx = set(held[:n_eval])
+    return [i for i in valid if i not in eval_idx], [i for i in valid if i in eval_idx]
+
+
+def _vocab_and_mask(spec: TrainSpec, tokenizer: Any, docs: dict[int, tuple[list[int], list[int]]],
+                    keep_train: list[int], keep_eval: list[int], target_vocab_size: int,
+                    ) -> tuple[torch.Tensor, DraftVocab, int, str]:
+    """(assistant token counts of the train rows `[V]`, the draft vocab, the mask token id, how it was chosen).
+
+    The vocab counts TRAIN rows only (docs/decisions.md decision 7); the mask token is proven unused in the
+    train and held-out rows (docs/decisions.md decision 8).
+    """
     as_t = {i: (torch.tensor(docs[i][0]), torch.tensor(docs[i][1])) for i in keep_train + keep_eval}
     counts = count_assistant_tokens((as_t[i] for i in keep_train), target_vocab_size)
     vocab = build_draft_vocab(counts, spec.draft.draft_vocab_size)
@@ -320,10 +396,15 @@ def prepare_data(
     for row_ids, _m in as_t.values():
         used[row_ids] = True
     mask_id, how = resolve_mask_token_id(spec.draft.mask_token_id, tokenizer, target_vocab_size, used)
-    save_vocab(vocab, data_dir / "vocab.safetensors")
+    return counts, vocab, mask_id, how
 
-    train = pack_documents([docs[i] for i in keep_train], spec.optim.pack_length, spec.optim.seed)
-    evalr = pack_documents([docs[i] for i in keep_eval], spec.optim.pack_length, spec.optim.seed)
+
+def _data_report(src_reports: list[dict[str, Any]], skipped: dict[str, int], bad_rows: list[dict[str, Any]], *,
+                 truncated: int, keep_train: list[int], keep_eval: list[int], train: PackedRows, evalr: PackedRows,
+                 counts: torch.Tensor, vocab: DraftVocab, mask_id: int, how: str,
+                 regen_report: dict[str, Any] | None) -> dict[str, Any]:
+    """RUN/data/report.json: what was read, kept and dropped (by reason), packed rows, vocab, mask token, the
+    regeneration's report (when on) and the funnel (`data_funnel`)."""
     sup = int(counts.sum())
     report = {
         "sources": src_reports,
@@ -348,28 +429,7 @@ def prepare_data(
     if regen_report is not None:
         report["regeneration"] = regen_report
     report["funnel"] = data_funnel(report, src_reports, len(keep_eval))
-    (data_dir / "report.json").write_text(json.dumps(report, indent=1))
-    with atomic_path(cached) as tmp:
-        torch.save(
-            {
-                "key": key,
-                "train": [train.input_ids, train.loss_mask, train.document_ids],
-                "eval": [evalr.input_ids, evalr.loss_mask, evalr.document_ids],
-                "mask_token_id": mask_id,
-            },
-            tmp,
-        )
-    fun = report["funnel"]
-    why = ", ".join(f"{n} {k}" for k, n in fun[DROPPED_BY_REASON].items()) or "none"
-    _emit(sink, "data", message=f"data: {fun['read']} read, {fun['kept']} kept, {fun[DROPPED]} dropped ({why})",
-          funnel=fun)
-    _log(
-        sink,
-        f"data: {fun['read']} read, {fun['kept']} kept, {fun[DROPPED]} dropped ({why}); "
-        f"{len(keep_train)} train / {len(keep_eval)} eval conversations -> {len(train)} rows; "
-        f"Vd={vocab.draft_vocab_size}, mask token {mask_id} ({how})",
-    )
-    return PreparedData(train, evalr, vocab, mask_id, report, data_dir)
+    return report
 
 
 def _regenerate_on_engine_workers(spec: TrainSpec, plan: RegenPlan, convs: list[Any], run: Path,
@@ -379,14 +439,8 @@ def _regenerate_on_engine_workers(spec: TrainSpec, plan: RegenPlan, convs: list[
     every one cached and starts no engine."""
     from peagle.data.regenerate import _usable, with_answer_slot
     from peagle.data.regenerate_cache import RegenCache, conversation_key, regen_cache_dir
-    from peagle.data.remote_regen import (
-        merge_chunks,
-        regen_dir,
-        regen_plan,
-        remote_dir,
-        wait_for_regen,
-        write_regen_plan,
-    )
+    from peagle.data.remote_regen import merge_chunks, wait_for_regen
+    from peagle.split.protocol import regen_dir, regen_plan, remote_dir, write_regen_plan
 
     slotted = [with_answer_slot(list(c)) for c in convs]
     keys = [conversation_key(plan.group, c) for c in slotted]
@@ -410,7 +464,7 @@ def _regenerate_on_engine_workers(spec: TrainSpec, plan: RegenPlan, convs: list[
           message=f"regenerating the answers of {len(todo)} conversations on engine workers "
                   f"({len(rplan['chunks'])} chunks)")
     write_regen_plan(d, rplan, list(todo.values()))
-    wait_for_regen(d, failed_file=remote_dir(run) / "failed.json")
+    wait_for_regen(d, failed_dir=remote_dir(run))
     n = merge_chunks(d, cache_dir)
     _log(sink, f"regeneration on engine workers: {n} answers merged into the cache")
 

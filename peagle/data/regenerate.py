@@ -326,17 +326,7 @@ def regenerate_conversations(
     with RegenCache(regen_cache_dir() if cache_dir is None else cache_dir, group) as cache:
         records = cache.load(keys, usable=_usable(settings.on_length))
         cached = sum(k in records for k in keys)
-        todo: list[ConversationRun] = []
-        seen: set[str] = set()
-        for key, conv in zip(keys, conversations, strict=True):
-            if key in records or key in seen:
-                continue  # a duplicate conversation is generated once
-            seen.add(key)
-            run = ConversationRun(key, conv, settings, encode)
-            if run.next_request() is None:  # nothing to ask the engine (no answer, or the prompt is too long)
-                records[key] = run.record()
-            else:
-                todo.append(run)
+        todo = _pending(keys, conversations, records, settings, encode)
         progress = RegenProgress(sink, len(conversations), todo, progress_every_s, clock)
 
         def done(run: ConversationRun) -> None:
@@ -358,7 +348,35 @@ def regenerate_conversations(
                     _run_lockstep(todo, backend, width, done, progress)
                 gen_s = clock() - t_gen
         path = str(cache.path)
+    return _result(keys, records, todo, settings, cached=cached, appended=appended, gen_s=gen_s, path=path,
+                   seconds=lambda: round(clock() - t0, 2))
 
+
+def _pending(keys: list[str], conversations: Sequence[Messages], records: dict[str, Any],
+             settings: RegenSettings, encode: Callable[[Messages], list[int]]) -> list[ConversationRun]:
+    """The conversations the engine must answer (not in `records`, each key once), as `ConversationRun`s.
+
+    A conversation with nothing to ask the engine (no answer, or a prompt too long) is recorded in `records`
+    at once instead.
+    """
+    todo: list[ConversationRun] = []
+    seen: set[str] = set()
+    for key, conv in zip(keys, conversations, strict=True):
+        if key in records or key in seen:
+            continue  # a duplicate conversation is generated once
+        seen.add(key)
+        run = ConversationRun(key, conv, settings, encode)
+        if run.next_request() is None:  # nothing to ask the engine (no answer, or the prompt is too long)
+            records[key] = run.record()
+        else:
+            todo.append(run)
+    return todo
+
+
+def _result(keys: list[str], records: dict[str, Any], todo: list[ConversationRun], settings: RegenSettings, *,
+            cached: int, appended: int, gen_s: float, path: str, seconds: Callable[[], float]) -> RegenResult:
+    """`RegenResult` of the conversations `keys` from their `records` (the report: `regenerate_conversations`);
+    `seconds` reads the elapsed time when the report is written."""
     out: list[Messages | None] = []
     reasons: dict[int, str] = {}
     for i, key in enumerate(keys):
@@ -372,17 +390,17 @@ def regenerate_conversations(
     tokens = sum(r.tokens for r in todo)
     report = {
         "engine": settings.engine,
-        "conversations": len(conversations),
+        "conversations": len(keys),
         "cached": cached,
         "generated": len(todo),
-        "kept": len(conversations) - len(reasons),
+        "kept": len(keys) - len(reasons),
         "dropped_by_reason": dict(sorted(by_reason.items())),
         "answers_cut": sum(m is not None and "length" in records[k]["finish"] for m, k in zip(out, keys, strict=True)),
         "stopped_at_max_length": sum(m is not None and records[k].get("stop") == "max_length"
                                      for m, k in zip(out, keys, strict=True)),
         "answers_appended": appended,
         "tokens": tokens,
-        "seconds": round(clock() - t0, 2),
+        "seconds": seconds(),
         "generation_seconds": round(gen_s, 2),
         "tokens_per_s": round(tokens / gen_s, 1) if gen_s > 0 else None,
         "cache_file": path,

@@ -37,6 +37,7 @@ from peagle.eval.decoder import al_str, decoder_name, eos_ids, measuring_engine,
 from peagle.eval.parity import PARITY_FILE, check_parity, parity_record, parity_summary, read_parity
 from peagle.fileio import atomic_write_json, publish_dir
 from peagle.progress import ProgressSink
+from peagle.run_folder import CHECKPOINTS, EXPORT, is_complete, step_of
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, PER_POSITION, TAU_SIM, al_pos_values, eval_key
 
@@ -58,14 +59,9 @@ def best_checkpoint(root: Path) -> Path:
 
     state = read_state(root)
     for name in (state.get("best"), state.get("latest")):
-        if name and (root / name / "COMPLETE").exists():
+        if name and is_complete(root / name):
             return root / name
     raise CheckpointError(f"{root}: no complete checkpoint to export")
-
-
-def _step_of(ckpt_name: str) -> int | None:
-    tail = ckpt_name.rsplit("_", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 def _slim(report: dict[str, Any]) -> dict[str, Any]:
@@ -293,7 +289,7 @@ def serve_check(
         message=f"vLLM serve check ({name}, {len(prompts)} prompts): AL {al_str(v_al)} in vLLM vs {al_str(r_al)} in "
         f"the reference decoder, parallel drafting {'on' if res.get('parallel_drafting_ok') else 'NOT on'}",
         # `checkpoint_step`: the service records vLLM's AL on the checkpoint, next to the reference AL
-        checkpoint_step=_step_of(str(eval_json.get("checkpoint", ""))),
+        checkpoint_step=step_of(str(eval_json.get("checkpoint", ""))),
         # Keys prefixed `vllm_`: the reference decoder's `acceptance_length` stays the job's AL metric.
         metrics={"engine": "vllm", **{f"vllm_{key}": v for key, v in cmp["vllm"].items()},
                  "al_ratio_vllm_over_reference": cmp["al_ratio_vllm_over_reference"]},
@@ -325,7 +321,7 @@ def evaluate_run(
     """Steps 1-3 of the module docstring on RUN; fills `result` (`PipelineResult`: best_checkpoint, eval,
     export_dir, serve_check) and announces the phases (`done` last)."""
     resolved = resolved_eval(spec)
-    best = best_checkpoint(run / "checkpoints")
+    best = best_checkpoint(run / CHECKPOINTS)
     result.best_checkpoint = best.name
     engine = measuring_engine(resolved, model, None)
     what = "acceptance length and serving speedup" if engine == "vllm" and resolved.eval.speedup else \
@@ -344,16 +340,16 @@ def evaluate_run(
         evaluation["parity_reference"] = parity_summary(record)
         added["files"] = [attach_parity(best, record)]  # added to the checkpoint's file list
     # `checkpoint_step` lets the service record this AL (and the evaluation) on the evaluated checkpoint.
-    sink.event("eval", metrics=_slim(result.eval), checkpoint=best.name, checkpoint_step=_step_of(best.name),
+    sink.event("eval", metrics=_slim(result.eval), checkpoint=best.name, checkpoint_step=step_of(best.name),
                evaluation=evaluation, **added)
 
     sink.event("phase", phase="exporting", message="RUN/export = the best checkpoint's vLLM export")
-    export_dir = publish_export(best, run / "export")
+    export_dir = publish_export(best, run / EXPORT)
     _write_json(export_dir / "eval.json", {"checkpoint": best.name, **_slim(result.eval)})
     if record is not None:
         _write_json(export_dir / PARITY_FILE, record)
     result.export_dir = export_dir
-    sink.event("export", dir="export", checkpoint=best.name, message=f"exported {best.name} to RUN/export")
+    sink.event("export", dir=EXPORT, checkpoint=best.name, message=f"exported {best.name} to RUN/export")
 
     if engine == "reference" and resolved.eval.serve_check:
         sink.event("phase", phase="serve_check", message="loading the export in vLLM with parallel drafting")

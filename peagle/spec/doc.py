@@ -1,8 +1,8 @@
 """Render the job spec reference (Markdown) from `peagle.spec`, the single source of truth.
 
-`python -m peagle.spec.doc` prints it; the README's "Job spec reference" section is this output
-between the markers `<!-- spec-reference:start -->` and `<!-- spec-reference:end -->`
-(a test keeps them identical; `python -m peagle.spec.doc --write README.md` refreshes it).
+`python -m peagle.spec.doc` prints it; docs/spec.md holds this output between the markers
+`<!-- spec-reference:start -->` and `<!-- spec-reference:end -->` (a test keeps them identical;
+`python -m peagle.spec.doc --write` refreshes docs/spec.md, `--write PATH` another file's marked part).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from peagle.spec import TrainSpec
 
 START = "<!-- spec-reference:start -->"
 END = "<!-- spec-reference:end -->"
+DEFAULT_PATH = "docs/spec.md"  # relative to the repository root, where `--write` alone writes
 
 
 def _type_name(ann: object) -> str:
@@ -96,9 +97,15 @@ def replace_marked(text: str, start: str, end: str, body: str) -> str:
     return f"{head}{start}\n{body}{end}{tail}"
 
 
-def generated_doc_main(argv: list[str], *, prog: str, start: str, end: str, render: Callable[[], str]) -> int:
-    """The command line of a generated document: `--write PATH` refreshes the marked part of PATH,
-    no argument prints it. Shared by this reference and the settings table (`service.settings_doc`)."""
+def generated_doc_main(
+    argv: list[str], *, prog: str, start: str, end: str, render: Callable[[], str], default_path: str | None = None
+) -> int:
+    """The command line of a generated document: `--write PATH` refreshes the marked part of PATH (`--write`
+    alone: `default_path`, where one is given), no argument prints it. Shared by this reference and the
+    settings table (`service.settings_doc`). Returns the exit code: 0, or 2 for a usage error or a file
+    without the markers."""
+    if argv == ["--write"] and default_path is not None:
+        argv = ["--write", default_path]
     if len(argv) == 2 and argv[0] == "--write":
         path = Path(argv[1])
         text = path.read_text(encoding="utf-8")
@@ -108,19 +115,22 @@ def generated_doc_main(argv: list[str], *, prog: str, start: str, end: str, rend
         path.write_text(replace_marked(text, start, end, render()), encoding="utf-8")
         return 0
     if argv:
-        sys.stderr.write(f"usage: python -m {prog} [--write PATH]\n")
+        usage = "[--write [PATH]]" if default_path is not None else "[--write PATH]"
+        sys.stderr.write(f"usage: python -m {prog} {usage}\n")
         return 2
     sys.stdout.write(render())
     return 0
 
 
 def replace_in(text: str) -> str:
-    """`text` with the marked README section replaced by the current reference."""
+    """`text` with the marked part (docs/spec.md's reference) replaced by the current reference."""
     return replace_marked(text, START, END, render())
 
 
 def main(argv: list[str]) -> int:
-    return generated_doc_main(argv, prog="peagle.spec.doc", start=START, end=END, render=render)
+    """`python -m peagle.spec.doc [--write [PATH]]`: print the reference, or refresh PATH (default docs/spec.md)."""
+    return generated_doc_main(argv, prog="peagle.spec.doc", start=START, end=END, render=render,
+                              default_path=DEFAULT_PATH)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 One definition of the keys and one function that builds the funnel, so the job's data report
 (`peagle.data.prepare`), the dataset validator (`peagle.data.formats.validate_dataset`) and the dry-run
-estimate (`api.estimate`) report the same numbers under the same names (docs/service.md 8). Torch-free.
+estimate (`service.estimate`) report the same numbers under the same names (docs/service.md 8). Torch-free.
 
 Invariant (by construction): ``read == kept + dropped`` and ``dropped == sum(dropped_by_reason.values())``;
 a difference the caller cannot explain is filed under `UNACCOUNTED` (tests assert it never appears).

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from peagle.run_folder import JOB_PREFIX, parse_job_ref
 from peagle.spec.resolve import aux_layer_ids
 
 if TYPE_CHECKING:
@@ -32,17 +33,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRAFT_PREFIX",
-    "JOB_PREFIX",
     "InitFrom",
     "init_from_problems",
     "parse_init_from",
     "source_facts",
 ]
 
-JOB_PREFIX = "job:"
 DRAFT_PREFIX = "draft:"
 _ID = r"[A-Za-z0-9_]{1,64}"
-_JOB = re.compile(rf"job:(?P<id>{_ID})(?:@step_(?P<step>[0-9]{{1,9}}))?")
 _DRAFT = re.compile(rf"draft:(?P<id>{_ID})")
 
 
@@ -69,10 +67,10 @@ def parse_init_from(value: str) -> InitFrom:
         ValueError: a `job:`/`draft:` value of the wrong shape (the message says the right one).
     """
     if value.startswith(JOB_PREFIX):
-        m = _JOB.fullmatch(value)
-        if m is None:
+        job = parse_job_ref(value)  # the form is the run folder's (`peagle.run_folder.job_ref`)
+        if job is None:
             raise ValueError(f"{value!r}: write job:<id> (its best checkpoint) or job:<id>@step_<N>")
-        return InitFrom("job", m["id"], int(m["step"]) if m["step"] is not None else None)
+        return InitFrom("job", *job)
     if value.startswith(DRAFT_PREFIX):
         m = _DRAFT.fullmatch(value)
         if m is None:

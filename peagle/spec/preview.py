@@ -1,5 +1,5 @@
 """The spec of a job's preview (`preview` in the spec; the run itself is `peagle.preview`). Torch-free: the
-pipeline runs it and the dry run estimates it (`api.estimate`).
+pipeline runs it and the dry run estimates it (`service.estimate`).
 """
 
 from __future__ import annotations

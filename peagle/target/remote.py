@@ -1,33 +1,27 @@
-"""The chunk protocol of a job split over engine workers (`resources.engine`): plan, chunk, stream.
+"""A split job's capture side (`resources.engine`): engine workers capture the trainer's micro-batches, the
+trainer reads them; and the engines an engine worker keeps warm between chunks.
 
-The trainer and the engine workers share only the job's folder (the artifact volume). Everything they
-exchange is a file there, each written whole under a temporary name and renamed (`peagle.fileio`), so a
-reader never sees half of one; ``D = RUN/data/features/remote``:
+    write_plan(D, capture_plan(...), rows, eval_rows)           # the trainer, once (`peagle.target.runtime`)
+    run_capture_chunk(D, i, capture, worker=name)                # an engine worker, chunk i (`worker.engine_task`)
+    run_eval_chunk(D, capture, aux_dtype=dtype)                  # an engine worker, the held-out rows
+    source = RemoteFeatureSource(D, head_weight=w, head_bias=b, disk_budget_bytes=...)   # the trainer's reader
+    engine = start_capture_engine(plan, ...); gen = start_generate_engine(plan, ...)     # kept warm by the worker
 
-* ``plan.json`` (trainer, once): the capture's fixed order, cut into chunks of `chunk_micro_batches`
-  consecutive micro-batches of the trainer's own order (`epoch_order`, as the other sources), what one
-  micro-batch file weighs, the aux layer ids; ``rows.safetensors``: the packed training rows, so an engine
-  worker needs neither the data nor its preparation;
-* ``release.json`` (trainer): ``generation`` (bumped whenever the trainer (re)starts its stream, e.g. a
-  resumed attempt), ``start`` (the first micro-batch of that stream), ``consumed`` (the last micro-batch
-  read) and ``released`` (chunks ``[0, released)`` may run: `releasable` keeps the bytes ahead of the
-  trainer within `resources.feature_disk_gb`; chunks wait, never fail);
-* ``mb_<j>.safetensors`` (engine worker, `run_capture_chunk`): micro-batch j with the keys of
-  `peagle.target.streaming` (unshifted ids/masks, ``aux``, normed ``final``), then ``chunk_<i>.done``
-  (generation, tokens, seconds, worker) once all of chunk i is there;
-* ``consumed.log`` (trainer): one line per micro-batch read, in order (no gap, no repeat: tests read it);
-  the trainer deletes every ``mb_<k>`` with k <= the one it read;
-* ``failed.json`` (the dispatcher): the engine work cannot go on (its message is raised in the trainer).
+The files, their names, the release rule and what is pending are the torch-free `peagle.split.protocol`'s
+(``D = remote_dir(RUN)``); this module adds what needs torch: the packed rows, the captured tensors and the
+trainer's batches (the keys and batches of the offline and streaming sources,
+`peagle.target.sources.load_micro_batch`). The regeneration side is `peagle.data.remote_regen`.
 
-A chunk whose worker died is run again from its start by another one (the same files, the same bytes);
-the micro-batches the trainer already read are skipped. Who sends chunks (Celery, the worker's
-supervisor) is not this module's business: `pending_chunks` says which released chunks are not done.
+The engines start `vllm serve` through `peagle.engine.server.VllmServer` (the one spawner: its guard dies
+with the engine worker) with the `EngineConfig` the trainer's own capture or regeneration would use, on the
+worker's devices; `worker.engine_task.WarmEngine` keeps one of them for every chunk of one
+`peagle.split.protocol.engine_key` and stops it after `engine_keep_warm_seconds` idle or when a chunk needs
+another key.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,88 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from peagle.data.packing import PackedRows, shift_features
+from peagle.data.packing import PackedRows
 from peagle.errors import EngineError
-from peagle.fileio import atomic_path, atomic_write_json, read_json
-from peagle.target.sources import _Ordered
+from peagle.fileio import atomic_path
+from peagle.split import protocol
+from peagle.split.protocol import chunk_range, eval_dir, mb_file, read_plan, read_release
+from peagle.target.sources import _Ordered, load_micro_batch
 
-__all__ = ["PLAN_VERSION", "CaptureEngine", "RemoteFeatureSource", "capture_plan", "chunk_range", "engine_key", "eval_dir",
-           "eval_pending", "pending_chunks", "read_plan", "releasable", "run_capture_chunk",
-           "run_eval_chunk", "start_capture_engine", "wait_for_eval", "write_plan"]
-
-PLAN_VERSION = 1
-
-
-def _mb_file(d: Path, j: int) -> Path:
-    return d / f"mb_{j:08d}.safetensors"
-
-
-def _done_file(d: Path, i: int) -> Path:
-    return d / f"chunk_{i:06d}.done"
-
-
-# ---------------------------------------------------------------------------------------------------
-# The plan (pure)
-# ---------------------------------------------------------------------------------------------------
-
-
-def capture_plan(
-    *, num_rows: int, pack_length: int, hidden_size: int, micro_batch_size: int, seed: int, total_micro_batches: int,
-    aux_layer_ids: list[int], chunk_micro_batches: int = 8, aux_bytes: int = 2, final_bytes: int = 4,
-) -> dict[str, Any]:
-    """The capture plan of `total_micro_batches` micro-batches in chunks of `chunk_micro_batches`.
-
-    ``mb_bytes``: what one micro-batch file weighs at most (3 int64 [B, T] + aux [B, T, 3H] + final [B, T, H]);
-    the release rule counts it, before any file exists.
-    """
-    if total_micro_batches < 1 or chunk_micro_batches < 1:
-        raise ValueError("total_micro_batches and chunk_micro_batches must be >= 1")
-    b, t, h = micro_batch_size, pack_length, hidden_size
-    chunks = [[s, min(s + chunk_micro_batches, total_micro_batches)]
-              for s in range(0, total_micro_batches, chunk_micro_batches)]
-    return {
-        "version": PLAN_VERSION, "kind": "capture", "num_rows": int(num_rows), "micro_batch_size": int(b),
-        "seed": int(seed), "total_micro_batches": int(total_micro_batches), "chunks": chunks,
-        "aux_layer_ids": [int(i) for i in aux_layer_ids],
-        "mb_bytes": int(b * t * (3 * 8 + 3 * h * aux_bytes + h * final_bytes)),
-    }
-
-
-def chunk_range(plan: dict[str, Any], index: int) -> tuple[int, int]:
-    """[start, end) micro-batches of chunk `index`."""
-    s, e = plan["chunks"][index]
-    return int(s), int(e)
-
-
-def releasable(plan: dict[str, Any], *, start: int, consumed: int, budget_bytes: float) -> int:
-    """How many chunks may run: chunk i is released while the micro-batches from the trainer's next one to
-    the chunk's end weigh at most `budget_bytes` (`mb_bytes` each); the chunk holding the next micro-batch
-    always is (a budget below one chunk still makes progress). Chunks ending at or before `start` count as
-    released (they are not needed)."""
-    nxt = max(consumed + 1, start)
-    n = 0
-    for i, (s, e) in enumerate(plan["chunks"]):
-        if e <= nxt or s <= nxt or (e - nxt) * plan["mb_bytes"] <= budget_bytes:
-            n = i + 1
-        else:
-            break
-    return n
-
-
-def pending_chunks(d: Path) -> list[int]:
-    """Released chunks of the current generation whose results are not all there (the dispatcher's list)."""
-    plan, rel = read_plan(d), read_json(d / "release.json")
-    if plan is None or rel is None:
-        return []
-    out = []
-    for i in range(int(rel["released"])):
-        _s, e = chunk_range(plan, i)
-        if e <= max(int(rel["start"]), int(rel["consumed"]) + 1):
-            continue
-        done = read_json(_done_file(d, i))
-        if done is None or done.get("generation") != rel["generation"]:
-            out.append(i)
-    return out
+__all__ = ["CaptureEngine", "GenerateEngine", "RemoteFeatureSource", "run_capture_chunk", "run_eval_chunk",
+           "start_capture_engine", "start_generate_engine", "wait_for_eval", "write_plan"]
 
 
 def write_plan(d: Path, plan: dict[str, Any], rows: PackedRows, eval_rows: PackedRows | None = None) -> None:
@@ -130,52 +51,7 @@ def write_plan(d: Path, plan: dict[str, Any], rows: PackedRows, eval_rows: Packe
         if r is not None:
             with atomic_path(d / f"{name}.safetensors") as tmp:
                 save_file({k: v.contiguous() for k, v in r.to_dict().items()}, str(tmp))
-    atomic_write_json(d / "plan.json", {**plan, "eval": eval_rows is not None and len(eval_rows) > 0})
-
-
-def eval_dir(d: Path) -> Path:
-    """Where the `eval` chunk writes the held-out features (offline shards with their manifest)."""
-    return d.parent / "eval"
-
-
-def eval_pending(d: Path) -> bool:
-    """Whether the plan has held-out rows whose shards are not complete yet."""
-    plan = read_plan(d)
-    if plan is None or not plan.get("eval"):
-        return False
-    manifest = read_json(eval_dir(d) / "manifest.json")
-    return not (manifest and manifest.get("complete"))
-
-
-def run_eval_chunk(d: Path, capture: Any, *, aux_dtype: torch.dtype, worker: str = "") -> dict[str, Any]:
-    """Capture the held-out rows into offline shards (`write_feature_shards`: resumable, a redo continues)."""
-    from peagle.target.sources import write_feature_shards
-
-    t0 = time.monotonic()
-    rows = _read_rows(d, "eval_rows")
-    write_feature_shards(capture, rows, eval_dir(d), aux_dtype=aux_dtype)
-    return {"micro_batches": 0, "tokens": rows.num_tokens(), "seconds": round(time.monotonic() - t0, 3),
-            "worker": worker}
-
-
-def wait_for_eval(d: Path, *, poll_s: float = 0.5, timeout_s: float | None = None) -> None:
-    """The trainer waits for the held-out shards (raises the dispatcher's ``failed.json`` as `EngineError`)."""
-    t0 = time.monotonic()
-    while eval_pending(d):
-        failed = read_json(d / "failed.json")
-        if failed is not None:
-            raise EngineError(str(failed.get("message") or "the engine workers failed"))
-        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-            raise EngineError(f"the held-out features did not arrive from the engine workers in {timeout_s:.0f} s")
-        time.sleep(poll_s)
-
-
-def read_plan(d: Path) -> dict[str, Any] | None:
-    """The plan, or None while there is none."""
-    plan = read_json(d / "plan.json")
-    if plan is not None and plan.get("version") != PLAN_VERSION:
-        raise EngineError(f"{d / 'plan.json'}: plan version {plan.get('version')}, this worker reads {PLAN_VERSION}")
-    return plan
+    protocol.publish_plan(d, {**plan, "eval": eval_rows is not None and len(eval_rows) > 0})
 
 
 def _read_rows(d: Path, name: str = "rows") -> PackedRows:
@@ -188,6 +64,17 @@ def _read_rows(d: Path, name: str = "rows") -> PackedRows:
 # ---------------------------------------------------------------------------------------------------
 # The engine side
 # ---------------------------------------------------------------------------------------------------
+
+
+def run_eval_chunk(d: Path, capture: Any, *, aux_dtype: torch.dtype, worker: str = "") -> dict[str, Any]:
+    """Capture the held-out rows into offline shards (`write_feature_shards`: resumable, a redo continues)."""
+    from peagle.target.sources import write_feature_shards
+
+    t0 = time.monotonic()
+    rows = _read_rows(d, "eval_rows")
+    write_feature_shards(capture, rows, eval_dir(d), aux_dtype=aux_dtype)
+    return {"micro_batches": 0, "tokens": rows.num_tokens(), "seconds": round(time.monotonic() - t0, 3),
+            "worker": worker}
 
 
 def run_capture_chunk(
@@ -204,7 +91,7 @@ def run_capture_chunk(
     """
     from safetensors.torch import save_file
 
-    plan, rel = read_plan(d), read_json(d / "release.json")
+    plan, rel = read_plan(d), read_release(d)
     if plan is None or rel is None:
         raise EngineError(f"no capture plan in {d}")
     rows = _read_rows(d)
@@ -215,7 +102,7 @@ def run_capture_chunk(
     for j in range(s, e):
         if should_stop is not None and should_stop():
             return None
-        now = read_json(d / "release.json") or rel
+        now = read_release(d) or rel
         if now.get("generation") != rel["generation"]:
             return None  # the trainer restarted its stream: the dispatcher sends this chunk again if needed
         if j < int(now["start"]) or j <= int(now["consumed"]):
@@ -224,13 +111,13 @@ def run_capture_chunk(
         part = rows.select(order._indices(epoch, idx))
         aux, final = capture.hidden(part.input_ids, part.document_ids)
         tensors = {**part.to_dict(), "aux": aux, "final": final}
-        with atomic_path(_mb_file(d, j)) as tmp:
+        with atomic_path(mb_file(d, j)) as tmp:
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
         tokens += int((part.document_ids >= 0).sum())
         written += 1
     stats = {"generation": rel["generation"], "micro_batches": written, "tokens": tokens,
              "seconds": round(time.monotonic() - t0, 3), "worker": worker}
-    atomic_write_json(_done_file(d, index), stats)
+    protocol.write_done(d, index, stats)
     return stats
 
 
@@ -239,8 +126,14 @@ def run_capture_chunk(
 # ---------------------------------------------------------------------------------------------------
 
 
+def wait_for_eval(d: Path, *, poll_s: float = 0.5, timeout_s: float | None = None) -> None:
+    """The trainer waits for the held-out shards (raises the dispatcher's ``failed.json`` as `EngineError`)."""
+    protocol.wait_while(lambda: protocol.eval_pending(d), failed_dir=d, what="the held-out features",
+                        poll_s=poll_s, timeout_s=timeout_s)
+
+
 class RemoteFeatureSource(_Ordered):
-    """Micro-batches captured by engine workers, read in the trainer's fixed order (module docstring).
+    """Micro-batches captured by engine workers, read in the trainer's fixed order (`peagle.split.protocol`).
 
     Args:
         d: the protocol folder (`remote_dir(run)`); the plan must be written (`write_plan`).
@@ -261,22 +154,21 @@ class RemoteFeatureSource(_Ordered):
         self.total = int(plan["total_micro_batches"])
         self.head_weight, self.head_bias = head_weight, head_bias
         self.budget, self.poll_s, self.timeout_s = float(disk_budget_bytes), poll_s, timeout_s
-        rel = read_json(self.d / "release.json")
+        rel = read_release(self.d)
         self.generation = int(rel["generation"]) if rel else 0
         self.start, self.consumed = -1, -1
         self.waited_s = 0.0
 
     def _release(self) -> None:
-        n = releasable(self.plan, start=self.start, consumed=self.consumed, budget_bytes=self.budget)
-        atomic_write_json(self.d / "release.json", {"generation": self.generation, "start": self.start,
-                                                    "consumed": self.consumed, "released": n})
+        n = protocol.releasable(self.plan, start=self.start, consumed=self.consumed, budget_bytes=self.budget)
+        protocol.write_release(self.d, generation=self.generation, start=self.start, consumed=self.consumed,
+                               released=n)
 
     def restart(self, j: int) -> None:
         """Start a new stream at micro-batch `j` (a new generation; what is on disk is dropped)."""
         self.generation += 1
         self.start, self.consumed = j, j - 1
-        for f in self.d.glob("mb_*.safetensors"):
-            f.unlink(missing_ok=True)
+        protocol.drop_micro_batches(self.d)
         self._release()
 
     def batch(self, epoch: int, index: int) -> dict[str, Tensor]:
@@ -284,8 +176,6 @@ class RemoteFeatureSource(_Ordered):
 
     def batch_rows(self, epoch: int, index: int, rows: list[int] | None) -> dict[str, Tensor]:
         """Micro-batch `index` of `epoch` (only `rows` of it), waiting for the engine workers if needed."""
-        from safetensors.torch import load_file
-
         if not 0 <= index < self.num_batches():
             raise IndexError(f"batch index {index} outside [0, {self.num_batches()})")
         j = epoch * self.num_batches() + index
@@ -293,54 +183,27 @@ class RemoteFeatureSource(_Ordered):
             raise IndexError(f"micro-batch {j} is past the last one this source captures ({self.total})")
         if j != self.consumed + 1 or self.start < 0:
             self.restart(j)
-        f = _mb_file(self.d, j)
-        t0 = time.monotonic()
-        while not f.exists():
-            failed = read_json(self.d / "failed.json")
-            if failed is not None:
-                raise EngineError(str(failed.get("message") or "the engine workers failed"))
-            if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
-                raise EngineError(f"micro-batch {j} did not arrive from the engine workers in {self.timeout_s:.0f} s")
-            time.sleep(self.poll_s)
-        self.waited_s += time.monotonic() - t0
-        t = load_file(str(f))
+        f = mb_file(self.d, j)
+        self.waited_s += protocol.wait_while(lambda: not f.exists(), failed_dir=self.d, what=f"micro-batch {j}",
+                                             poll_s=self.poll_s, timeout_s=self.timeout_s)
+        batch = load_micro_batch(f, head_weight=self.head_weight, head_bias=self.head_bias, rows=rows)
         self.consumed = j
-        with (self.d / "consumed.log").open("a") as log:
-            log.write(f"{j}\n")
-        for old in self.d.glob("mb_*.safetensors"):
-            if int(old.stem.split("_")[1]) <= j:
-                old.unlink(missing_ok=True)
+        protocol.log_consumed(self.d, j)
+        protocol.drop_micro_batches(self.d, upto=j)
         self._release()
-        if rows is not None:
-            keep = torch.tensor([r for r in rows if r < t["input_ids"].shape[0]], dtype=torch.long)
-            t = {k: v.index_select(0, keep) for k, v in t.items()}
-        final = t["final"].to(self.head_weight.dtype)
-        logits = torch.nn.functional.linear(final, self.head_weight, self.head_bias)  # [B, T, Vd]
-        return shift_features(t["input_ids"], t["loss_mask"], t["document_ids"], t["aux"], logits)
+        return batch
 
     def bytes_ahead(self) -> int:
         """Bytes of the micro-batch files waiting for the trainer."""
-        return sum(f.stat().st_size for f in self.d.glob("mb_*.safetensors") if f.is_file())
+        return protocol.bytes_ahead(self.d)
 
     def close(self) -> None:
         """Nothing to stop here (the engine workers are the dispatcher's); kept for the sources' interface."""
 
 
 # ---------------------------------------------------------------------------------------------------
-# The engine a plan needs (an engine worker keeps it warm between chunks of the same key)
+# The engines an engine worker keeps warm (one `engine_key` at a time)
 # ---------------------------------------------------------------------------------------------------
-
-
-def engine_key(plan: dict[str, Any]) -> str:
-    """What makes two plans' engines the same: target (model, revision, dtype), `resources.vllm` and
-    `resources.engine.gpus` (parallelism), the mode and the captured layers."""
-    import hashlib
-
-    spec = plan["spec"]
-    key = {"target": {k: spec["target"].get(k) for k in ("model", "revision", "dtype")},
-           "vllm": spec["resources"]["vllm"], "gpus": (spec["resources"].get("engine") or {}).get("gpus", 0),
-           "mode": plan["kind"], "layers": plan["aux_layer_ids"], "seed": spec["optim"]["seed"]}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class CaptureEngine:
@@ -383,12 +246,9 @@ def start_capture_engine(plan: dict[str, Any], *, storage_dir: Path, log_path: P
     return CaptureEngine(server, parts)
 
 
-# A split job's generation engine (regeneration chunks, `peagle.data.remote_regen`), kept warm by
-# `worker.engine_task.WarmEngine` like the capture engine above.
-
-
 class GenerateEngine:
-    """A started generation engine and the target's tokenizer (`start_generate_engine`)."""
+    """A started generation engine (regeneration chunks, `peagle.data.remote_regen`) and the target's
+    tokenizer (`start_generate_engine`)."""
 
     def __init__(self, server: Any, tokenizer: Any) -> None:
         self.server, self.tokenizer = server, tokenizer

@@ -233,14 +233,8 @@ def _remote_sources(target: TargetRuntime, spec: Any, prepared: Any, run: Path, 
                     sink: ProgressSink, start: int = 0) -> tuple[Any, Any]:
     """A split job's sources (`resources.engine`): the capture plan for the engine workers, the held-out
     shards they write, and the `RemoteFeatureSource` the trainer reads (`peagle.target.remote`)."""
-    from peagle.data.remote_regen import remote_dir
-    from peagle.target.remote import (
-        RemoteFeatureSource,
-        capture_plan,
-        eval_dir,
-        wait_for_eval,
-        write_plan,
-    )
+    from peagle.split.protocol import capture_plan, eval_dir, remote_dir
+    from peagle.target.remote import RemoteFeatureSource, wait_for_eval, write_plan
     from peagle.target.sources import OfflineFeatureSource
     from peagle.train.optim import total_steps
 

@@ -38,10 +38,13 @@ from peagle.progress import ProgressSink
 from peagle.target.capture import TargetCapture
 
 __all__ = [
+    "STORED_KEYS",
     "OfflineFeatureSource",
     "OnlineFeatureSource",
+    "batch_from_stored",
     "build_batch_source",
     "epoch_order",
+    "load_micro_batch",
     "rows_fingerprint",
     "write_feature_shards",
 ]
@@ -62,6 +65,33 @@ def rows_fingerprint(rows: PackedRows) -> str:
         h.update(str(tuple(t.shape)).encode())
         h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+#: what a stored micro-batch holds (an offline shard's rows, a streamed or remote ``mb_<j>`` file): unshifted
+#: ``input_ids``/``loss_mask``/``document_ids`` [B, T] int64, ``aux`` [B, T, 3H], normed ``final`` [B, T, H]
+STORED_KEYS = ("input_ids", "loss_mask", "document_ids", "aux", "final")
+
+
+def batch_from_stored(t: dict[str, Tensor], *, head_weight: Tensor, head_bias: Tensor | None,
+                      rows: list[int] | None = None) -> dict[str, Tensor]:
+    """A stored micro-batch (`STORED_KEYS`) -> the trainer's batch (module docstring): only `rows` of it
+    (positions within the micro-batch; DDP ranks), draft-vocab logits recomputed from ``final`` with the
+    head rows (`head_weight` [Vd, H], `head_bias` [Vd] or None), then shifted (`shift_features`)."""
+    if rows is not None:
+        keep = torch.tensor([r for r in rows if r < t["input_ids"].shape[0]], dtype=torch.long)
+        t = {k: v.index_select(0, keep) for k, v in t.items()}
+    final = t["final"].to(head_weight.dtype)
+    logits = torch.nn.functional.linear(final, head_weight, head_bias)  # [B, T, Vd]
+    return shift_features(t["input_ids"], t["loss_mask"], t["document_ids"], t["aux"], logits)
+
+
+def load_micro_batch(path: Path, *, head_weight: Tensor, head_bias: Tensor | None,
+                     rows: list[int] | None = None) -> dict[str, Tensor]:
+    """Read one micro-batch file (a safetensors file of `STORED_KEYS`, the streaming and the split job's
+    sources) into the trainer's batch (`batch_from_stored`)."""
+    from safetensors.torch import load_file
+
+    return batch_from_stored(load_file(str(path)), head_weight=head_weight, head_bias=head_bias, rows=rows)
 
 
 class _Ordered:
@@ -230,7 +260,7 @@ class OfflineFeatureSource(_Ordered):
             shard = self.out / f"shard_{r // self.rows_per_shard:05d}.safetensors"
             local = r % self.rows_per_shard
             with safe_open(str(shard), framework="pt") as fh:
-                for key in ("input_ids", "loss_mask", "document_ids", "aux", "final"):
+                for key in STORED_KEYS:
                     got.setdefault(key, []).append(fh.get_slice(key)[local : local + 1])
         return {k: torch.cat(v) for k, v in got.items()}
 
@@ -240,9 +270,7 @@ class OfflineFeatureSource(_Ordered):
     def batch_rows(self, epoch: int, index: int, rows: list[int] | None) -> dict[str, Tensor]:
         """Only `rows` (positions within the micro-batch; DDP ranks) of micro-batch `index`."""
         t = self._rows(self._indices(epoch, index, rows))
-        final = t["final"].to(self.head_weight.dtype)
-        logits = torch.nn.functional.linear(final, self.head_weight, self.head_bias)  # [B, T, Vd]
-        return shift_features(t["input_ids"], t["loss_mask"], t["document_ids"], t["aux"], logits)
+        return batch_from_stored(t, head_weight=self.head_weight, head_bias=self.head_bias)
 
 
 def build_batch_source(

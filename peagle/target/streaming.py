@@ -26,17 +26,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from peagle.data.packing import PackedRows, shift_features
+from peagle.data.packing import PackedRows
 from peagle.errors import EngineError, PeagleError
 from peagle.fileio import atomic_path
-from peagle.target.sources import _Ordered
+from peagle.target.sources import _Ordered, load_micro_batch
 
 __all__ = ["StreamingFeatureSource"]
-
-KEYS = ("input_ids", "loss_mask", "document_ids", "aux", "final")
 
 
 class StreamingFeatureSource(_Ordered):
@@ -136,8 +133,6 @@ class StreamingFeatureSource(_Ordered):
 
     def batch_rows(self, epoch: int, index: int, rows: list[int] | None) -> dict[str, Tensor]:
         """Micro-batch `index` of `epoch` (only `rows` of it), waiting for the engine if needed."""
-        from safetensors.torch import load_file
-
         if not 0 <= index < self.num_batches():
             raise IndexError(f"batch index {index} outside [0, {self.num_batches()})")
         j = epoch * self.num_batches() + index
@@ -155,19 +150,14 @@ class StreamingFeatureSource(_Ordered):
                 if (not self._thread or not self._thread.is_alive()) and self._next <= j:
                     raise EngineError("feature capture stopped before the trainer's micro-batch")
                 self._cond.wait(timeout=1.0)
-        t = load_file(str(self._file(j)))
+        batch = load_micro_batch(self._file(j), head_weight=self.head_weight, head_bias=self.head_bias, rows=rows)
         with self._cond:
             self._consumed = j
             for f in self.out.glob("mb_*.safetensors"):
                 if int(f.stem.split("_")[1]) <= j:
                     f.unlink(missing_ok=True)
             self._cond.notify_all()
-        if rows is not None:
-            keep = torch.tensor([r for r in rows if r < t["input_ids"].shape[0]], dtype=torch.long)
-            t = {k: v.index_select(0, keep) for k, v in t.items()}
-        final = t["final"].to(self.head_weight.dtype)
-        logits = torch.nn.functional.linear(final, self.head_weight, self.head_bias)  # [B, T, Vd]
-        return shift_features(t["input_ids"], t["loss_mask"], t["document_ids"], t["aux"], logits)
+        return batch
 
     def close(self) -> None:
         """Stop the producer and remove what it left (idempotent)."""

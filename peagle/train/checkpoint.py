@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints in RUN/checkpoints (layout: docs/service.md 7).
+"""Crash-safe checkpoints in RUN/checkpoints (layout: docs/service.md 7; its names: `peagle.run_folder`).
 
 A checkpoint is written into a temporary directory (`.tmp-step_000100-<pid>`): `training_state.pt`
 (fp32 weights, optimizer, scheduler, RNG, step/epoch/data position), whatever `extra_writer(tmp, draft)`
@@ -25,6 +25,15 @@ import torch
 
 from peagle.errors import CheckpointError
 from peagle.fileio import atomic_write_json, publish_dir
+from peagle.run_folder import (
+    CHECKPOINTS,
+    COMPLETE,
+    STATE_FILE,
+    complete_checkpoints,
+    is_complete,
+    step_dirname,
+    step_of,
+)
 from peagle.spec.files import TRAINING_STATE_FILE
 from peagle.spec.metrics import ACCEPTANCE_LENGTH, LOSS, TAU_SIM, eval_key
 
@@ -38,17 +47,10 @@ __all__ = [
     "read_init_weights",
     "read_state",
     "save_checkpoint",
-    "step_dirname",
     "verify_checkpoint",
 ]
 
-COMPLETE = "COMPLETE"
 ExtraWriter = Callable[[Path, Any], None]
-
-
-def step_dirname(step: int) -> str:
-    """`step_000100` for step 100."""
-    return f"step_{step:06d}"
 
 
 def _sha256(path: Path) -> str:
@@ -99,7 +101,7 @@ class CheckpointInfo:
 
 def read_state(ckpt_root: Path) -> dict[str, Any]:
     """RUN/checkpoints/state.json (empty dict when absent)."""
-    p = Path(ckpt_root) / "state.json"
+    p = Path(ckpt_root) / STATE_FILE
     return json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
 
 
@@ -149,7 +151,7 @@ def save_checkpoint(
     ranked = best_metric_value(metrics, select_best_by)
     best = state.get("best")
     is_best = False
-    if best is None or not (root / best / COMPLETE).exists():
+    if best is None or not is_complete(root / best):
         is_best = True
     elif ranked is not None:
         prev = state.get("best_rank")
@@ -159,24 +161,18 @@ def save_checkpoint(
         state["best_rank"] = ranked[1] if ranked else None
         state["best_metric"] = {ranked[0]: metrics[ranked[0]]} if ranked else None
     state.update({"latest": name, "best": best, "select_best_by": select_best_by})
-    atomic_write_json(root / "state.json", state, indent=2, sort_keys=True, durable=True)
+    atomic_write_json(root / STATE_FILE, state, indent=2, sort_keys=True, durable=True)
     _prune(root, keep_last=keep_last, keep={name, str(best)})
     return CheckpointInfo(step=step, dir=f"{root.name}/{name}", path=final, files=files, metrics=metrics,
                           is_best=is_best)
 
 
-def _complete_dirs(root: Path) -> list[Path]:
-    """Complete step_* directories, oldest first."""
-    dirs = [p for p in root.glob("step_*") if p.is_dir() and (p / COMPLETE).exists()]
-    return sorted(dirs, key=lambda p: p.name)
-
-
 def _prune(root: Path, *, keep_last: int, keep: set[str]) -> None:
-    complete = _complete_dirs(root)
+    complete = complete_checkpoints(root)
     keep = keep | {p.name for p in complete[-keep_last:]}
     for p in root.iterdir():
         stale_tmp = p.name.startswith((".tmp-", ".trash-")) and p.is_dir()
-        old = p.name.startswith("step_") and p.is_dir() and p.name not in keep
+        old = step_of(p.name) is not None and p.is_dir() and p.name not in keep
         if stale_tmp or old:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -184,7 +180,7 @@ def _prune(root: Path, *, keep_last: int, keep: set[str]) -> None:
 def verify_checkpoint(path: Path, *, check_hash: bool = True) -> list[str]:
     """Problems of a checkpoint directory (empty list = complete and intact)."""
     path = Path(path)
-    if not (path / COMPLETE).exists():
+    if not is_complete(path):
         return [f"{path.name}: no {COMPLETE} marker (interrupted while saving)"]
     try:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
@@ -210,7 +206,7 @@ def find_resumable(ckpt_root: Path, *, check_hash: bool = True, warn: Callable[[
     root = Path(ckpt_root)
     if not root.is_dir():
         return None
-    for p in reversed(_complete_dirs(root)):
+    for p in reversed(complete_checkpoints(root)):
         problems = verify_checkpoint(p, check_hash=check_hash)
         if not problems:
             return p
@@ -247,7 +243,7 @@ def init_source_dir(path: str | Path, *, step: int | None = None) -> Path:
     p = Path(path).expanduser()
     if step is None and (p / "config.json").is_file():
         return p
-    ckpts = p / "checkpoints"
+    ckpts = p / CHECKPOINTS
     if not ckpts.is_dir():
         raise CheckpointError(f"draft.init_from: {p} is neither an export folder (config.json + model.safetensors) "
                               "nor a run directory (checkpoints/)")
@@ -255,10 +251,10 @@ def init_source_dir(path: str | Path, *, step: int | None = None) -> Path:
     if not name:
         raise CheckpointError(f"draft.init_from: {p} has no best checkpoint (checkpoints/state.json)")
     found = ckpts / str(name)
-    if not (found / COMPLETE).is_file() or not (found / "config.json").is_file():
+    if not is_complete(found) or not (found / "config.json").is_file():
         what = f"checkpoint of step {step}" if step is not None else f"best checkpoint {name}"
         raise CheckpointError(f"draft.init_from: the {what} of {p} is gone or incomplete (kept: "
-                              f"{', '.join(d.name for d in _complete_dirs(ckpts)) or 'none'})")
+                              f"{', '.join(d.name for d in complete_checkpoints(ckpts)) or 'none'})")
     return found
 
 

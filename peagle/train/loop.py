@@ -29,6 +29,7 @@ from peagle.errors import TrainingInterrupted
 from peagle.model.attention import select_attention
 from peagle.model.draft import PEagleDraft
 from peagle.progress import NullSink, ProgressSink
+from peagle.run_folder import CHECKPOINTS, checkpoint_relpath
 from peagle.spec import TrainSpec
 from peagle.spec.metrics import TOKENS_PER_S, eval_key
 from peagle.train.batch import BatchSource, select_rows
@@ -36,7 +37,6 @@ from peagle.train.checkpoint import (
     find_resumable,
     load_training_state,
     save_checkpoint,
-    step_dirname,
 )
 from peagle.train.ddp import DistContext, all_reduce_row_grads, wrap_ddp
 from peagle.train.optim import (
@@ -167,7 +167,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
     @property
     def ckpt_root(self) -> Path | None:
-        return self.run_dir / "checkpoints" if self.run_dir is not None else None
+        return self.run_dir / CHECKPOINTS if self.run_dir is not None else None
 
     def _micro_range(self, step: int) -> range:
         a = self.spec.optim.grad_accumulation
@@ -418,5 +418,5 @@ class Trainer:
         if "rng_cuda" in state and self.device.type == "cuda":
             with contextlib.suppress(RuntimeError):
                 torch.cuda.set_rng_state(state["rng_cuda"], self.device)
-        self.sink.event("resumed", step=self.step, dir=f"checkpoints/{step_dirname(self.step)}",
+        self.sink.event("resumed", step=self.step, dir=checkpoint_relpath(self.step),
                         message=f"resumed from {path.name}")

@@ -35,7 +35,7 @@ __all__ = ["ENGINE_OF_KIND", "IN_FLIGHT", "beat_chunk", "busy_nodes", "end_chunk
            "plan_sends", "recent_rows", "start_chunk", "stop_chunks", "task_rows", "touch_sent", "waiting", "warm_workers"]
 
 IN_FLIGHT = ("sent", "running")
-#: Which engine a chunk kind runs on (`peagle.target.remote.engine_key`): the capture engine also captures the
+#: Which engine a chunk kind runs on (`peagle.split.protocol.engine_key`): the capture engine also captures the
 #: held-out rows (`eval`); regeneration has a generation engine of its own.
 ENGINE_OF_KIND = {"capture": "capture", "eval": "capture", "regenerate": "regenerate"}
 

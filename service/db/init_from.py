@@ -20,14 +20,13 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from peagle.run_folder import is_complete, job_dir, job_ref, resolve_inside
 from peagle.spec.init_from import parse_init_from
 from service.db import states
 from service.db.models import Checkpoint, DraftUpload, Job
 
-__all__ = ["COMPLETE_MARKER", "DRAFT_READY", "InitSource", "init_source"]
+__all__ = ["DRAFT_READY", "InitSource", "init_source"]
 
-#: The marker the trainer writes last into a checkpoint folder (`peagle.train.checkpoint.COMPLETE`).
-COMPLETE_MARKER = "COMPLETE"
 #: Status of an uploaded draft that passed the export validator.
 DRAFT_READY = "ready"
 
@@ -42,13 +41,11 @@ class InitSource:
     forbidden: bool = False
 
 
-def _job_dir(job: Job, artifact_root: Path | None) -> Path | None:
-    """The job's run directory (`artifact_dir`, relative to the artifact root unless absolute); None when
-    it is relative and no root is given."""
-    p = Path(job.artifact_dir or job.id)
-    if p.is_absolute():
-        return p
-    return artifact_root / p if artifact_root is not None else None
+def _run_folder(job: Job, artifact_root: Path | None) -> Path | None:
+    """The job's run folder (`peagle.run_folder.job_dir`); None when it is relative and no root is given."""
+    if artifact_root is None:  # only an absolute artifact_dir (the worker writes those) places it then
+        return Path(job.artifact_dir) if job.artifact_dir and Path(job.artifact_dir).is_absolute() else None
+    return job_dir(artifact_root, job.id, artifact_dir=job.artifact_dir)
 
 
 def init_source(session: Session, owner_id: int, value: str, *, artifact_root: Path | None) -> InitSource:
@@ -75,14 +72,12 @@ def init_source(session: Session, owner_id: int, value: str, *, artifact_root: P
     if step is None:
         if job.status != states.SUCCEEDED or job.best_checkpoint_step is None:
             return InitSource(None, f"job {job.id} is {job.status}, not succeeded with a best checkpoint: wait for "
-                              f"it, or name one of its checkpoints (job:{job.id}@step_<N>)")
+                              f"it, or name one of its checkpoints ({job_ref(job.id)}@step_<N>)")
         step = job.best_checkpoint_step
     ck = session.query(Checkpoint).filter_by(job_id=job.id, step=step, complete=True).one_or_none()
-    run = _job_dir(job, artifact_root)
-    root = run.resolve() if run is not None else None
-    folder = (root / ck.dir).resolve() if ck is not None and root is not None else None
-    if folder is None or root is None or not folder.is_relative_to(root) \
-            or not (folder / COMPLETE_MARKER).is_file() or not (folder / "config.json").is_file():
+    run = _run_folder(job, artifact_root)
+    folder = resolve_inside(run, ck.dir) if ck is not None and run is not None else None
+    if folder is None or not is_complete(folder) or not (folder / "config.json").is_file():
         return InitSource(None, f"job {job.id} has no complete checkpoint at step {step} (retention keeps the "
                           "newest ones and the best)")
     return InitSource(folder)

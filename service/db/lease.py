@@ -1,27 +1,27 @@
-"""What the worker writes: claim a job with a lease, heartbeat it, ingest progress, finish, reap.
+"""The worker's lease on a job: claim it, heartbeat it, finish it.
 
-Every write of a worker is *fenced*: it is a conditional UPDATE on `(id, lease_owner, attempt)`, so a
+Every write of a worker is *fenced*: it is a conditional UPDATE on `(id, lease_owner, attempt)` (`fence`), so a
 supervisor whose lease was taken away (the reaper requeued its job, another worker claimed it) changes
 nothing and learns so from `LeaseLost`. A claim is `UPDATE job SET status='running' ... WHERE status =
 'queued'`: of two workers that receive the same job, exactly one gets the row.
 
 Sequence numbers (`event_seq`, `metric_seq`, `log_seq` on the job row) are reserved by incrementing them in
-the same transaction as the inserts, so the API's own events interleave safely.
+the same transaction as the inserts (`reserve`), so the API's own events interleave safely.
 
     lease = claim_job(session, job_id, owner="host:pid:abc", lease_seconds=60)   # None: not claimable
     heartbeat(session, lease, lease_seconds=60)         # -> JobControl(status, desired_state)
-    ingest(session, lease, batch)                      # metrics/events/logs/checkpoints/progress
+    ingest(session, lease, batch)                      # service.db.progress: metrics/events/logs/checkpoints
     finish(session, lease, status="succeeded")
-    reap_lapsed(session)                               # reaper: requeue or fail jobs whose lease lapsed
+    reap_lapsed(session)                               # service.db.requeue: requeue or fail lapsed leases
 
 No FastAPI here; no torch. Functions take a `Session` and leave commit to the caller (`session_scope`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NotRequired, TypedDict
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, aliased
@@ -29,42 +29,35 @@ from sqlalchemy.orm import Session, aliased
 from peagle.errors import PeagleError
 from service.db import states
 from service.db.events import add_event, event_row, insert_events
-from service.db.models import Checkpoint, Dataset, Job, JobLog, JobMetric, Owner, utcnow
-from service.db.replay import final_evaluations, metric_floors, replayed
+from service.db.models import Checkpoint, Dataset, Job, Owner, utcnow
+from service.db.replay import final_evaluations, metric_floors
 
 __all__ = [
+    "LEASED",
     "QUOTA_WAIT",
-    "Batch",
-    "CheckpointMetrics",
-    "CheckpointRecord",
     "ConcurrencyLimited",
-    "EventRecord",
     "JobControl",
     "Lease",
     "LeaseLost",
-    "LogRecord",
-    "MetricRecord",
-    "ReapAction",
     "add_job_event",
     "claim_job",
+    "complete_checkpoint_steps",
     "dataset_files",
     "defer_claim",
     "expire_lease",
+    "fence",
     "finish",
     "heartbeat",
-    "ingest",
+    "job_owner_id",
     "job_status",
-    "queued_jobs",
-    "reap_lapsed",
-    "record_task_id",
-    "requeue_crashed",
-    "requeue_or_fail",
-    "sent_queued_jobs",
-    "unsent_queued_jobs",
+    "reserve",
 ]
+
 
 #: Phase of a queued job that a worker left queued because of its owner's `max_concurrent_jobs`.
 QUOTA_WAIT = "waiting_for_quota"
+
+
 #: Statuses in which a worker holds the job's lease.
 LEASED = (states.RUNNING, states.PAUSING, states.CANCELLING)
 
@@ -116,93 +109,18 @@ class JobControl:
     desired_state: str | None
 
 
-class MetricRecord(TypedDict):
-    """One metric record of a batch (a `job_metric` row)."""
-
-    step: int
-    epoch: float | None
-    values: dict[str, float]
-    time: datetime
-    #: the phase of an evaluation after training (`service.db.replay.FINAL_PHASES`): deduped once per job
-    final: NotRequired[str]
-
-
-class EventRecord(TypedDict):
-    """One event of a batch (a `job_event` row)."""
-
-    kind: str
-    phase: str | None
-    message: str
-    data: dict[str, Any]
-    time: datetime
-
-
-class LogRecord(TypedDict):
-    """One log line of a batch (a `job_log` row)."""
-
-    level: str
-    message: str
-    time: datetime
-
-
-class CheckpointRecord(TypedDict):
-    """A checkpoint the trainer saved (upserted by step)."""
-
-    step: int
-    dir: str
-    files: list[Any]
-    metrics: dict[str, float]
-    is_best: bool
-
-
-class CheckpointMetrics(TypedDict):
-    """A measurement made after a checkpoint was saved (the final AL of the best one, the serve check)."""
-
-    step: int
-    metrics: dict[str, float]
-    evaluation: NotRequired[dict[str, Any]]
-    #: files written into the checkpoint's folder after it was saved (`{path, size, sha256}`: the parity record)
-    files: NotRequired[list[dict[str, Any]]]
-
-
-@dataclass
-class Batch:
-    """Progress records to write in one transaction (built by the supervisor from the JSON lines)."""
-
-    metrics: list[MetricRecord] = field(default_factory=list)
-    events: list[EventRecord] = field(default_factory=list)
-    logs: list[LogRecord] = field(default_factory=list)
-    checkpoints: list[CheckpointRecord] = field(default_factory=list)
-    missing_checkpoint_steps: list[int] = field(default_factory=list)  # deleted by keep_last
-    #: merged into that checkpoint's metrics and evaluation
-    checkpoint_metrics: list[CheckpointMetrics] = field(default_factory=list)
-    progress: dict[str, Any] | None = None
-    phase: str | None = None
-    resolved_spec: dict[str, Any] | None = None
-    provenance: dict[str, Any] | None = None
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.metrics
-            or self.events
-            or self.logs
-            or self.checkpoints
-            or self.missing_checkpoint_steps
-            or self.checkpoint_metrics
-            or self.progress is not None
-            or self.phase is not None
-            or self.resolved_spec is not None
-            or self.provenance is not None
-        )
-
-
-def _fence(lease: Lease) -> sa.ColumnElement[bool]:
+def fence(lease: Lease) -> sa.ColumnElement[bool]:
+    """The WHERE clause of every write under `lease`: the job's row, still held by this owner and attempt."""
     return sa.and_(Job.id == lease.job_id, Job.lease_owner == lease.owner, Job.attempt == lease.attempt)
 
 
-def _reserve(session: Session, where: sa.ColumnElement[bool], values: dict[str, Any], *, events: int = 0,
+def reserve(session: Session, where: sa.ColumnElement[bool], values: dict[str, Any], *, events: int = 0,
              metrics: int = 0, logs: int = 0) -> tuple[int, int, int] | None:
-    """Conditional UPDATE that also reserves sequence numbers; returns the new last (event, metric, log)."""
+    """Conditional UPDATE that also reserves sequence numbers; returns the new last (event, metric, log).
+
+    `events`/`metrics`/`logs` rows are reserved: the caller inserts them with seqs `last - n + 1 .. last`.
+    None when no row matched `where` (the lease was lost or the job moved on): nothing was written.
+    """
     stmt = (
         sa.update(Job)
         .where(where)
@@ -334,7 +252,7 @@ def heartbeat(session: Session, lease: Lease, *, lease_seconds: float, now: date
     now = now or utcnow()
     stmt = (
         sa.update(Job)
-        .where(_fence(lease), Job.status.in_(LEASED))
+        .where(fence(lease), Job.status.in_(LEASED))
         .values(heartbeat_at=now, lease_expires_at=now + timedelta(seconds=lease_seconds))
         .returning(Job.status, Job.desired_state)
         .execution_options(synchronize_session=False)
@@ -349,7 +267,7 @@ def expire_lease(session: Session, lease: Lease, *, now: datetime | None = None)
     """Mark the lease lapsed now (the trainer crashed): the reaper requeues the job on its next pass."""
     now = now or utcnow()
     res = session.execute(
-        sa.update(Job).where(_fence(lease), Job.status.in_(LEASED)).values(lease_expires_at=now)
+        sa.update(Job).where(fence(lease), Job.status.in_(LEASED)).values(lease_expires_at=now)
         .execution_options(synchronize_session=False)
     )
     return bool(getattr(res, "rowcount", 0))
@@ -373,137 +291,6 @@ def job_status(session: Session, job_id: str) -> str | None:
     return session.execute(sa.select(Job.status).where(Job.id == job_id)).scalar()
 
 
-def record_task_id(session: Session, job_id: str, task_id: str, *, only_if_unsent: bool = False) -> bool:
-    """Record the broker message sent for a queued job (`only_if_unsent`: unless one is recorded already).
-
-    Returns False when the job is no longer queued (or already had a message, with `only_if_unsent`).
-    """
-    where = sa.and_(Job.id == job_id, Job.status == states.QUEUED)
-    if only_if_unsent:
-        where = sa.and_(where, Job.celery_task_id.is_(None))
-    res = session.execute(sa.update(Job).where(where).values(celery_task_id=task_id)
-                          .execution_options(synchronize_session=False))
-    return bool(getattr(res, "rowcount", 0))
-
-
-def requeue_crashed(session: Session, lease: Lease, *, reason: str, code: str,
-                    now: datetime | None = None) -> ReapAction | None:
-    """The trainer of `lease` died: expire the lease and move the job on at once (`requeue_or_fail`),
-    as the reaper would. None when the lease was already lost."""
-    if not expire_lease(session, lease, now=now):
-        return None
-    job = session.get(Job, lease.job_id)
-    return requeue_or_fail(session, job, reason=reason, code=code, now=now) if job is not None else None
-
-
-def ingest(session: Session, lease: Lease, batch: Batch, *, now: datetime | None = None) -> tuple[int, int, int]:
-    """Write one batch of progress in one transaction; returns the job's last (event, metric, log) seqs.
-
-    Metrics at or below the floor of their kind (replayed by a resumed attempt) are dropped. Checkpoints are
-    upserted by step; the job's `latest_checkpoint_step`/`best_checkpoint_step` follow them.
-
-    Raises:
-        LeaseLost: the lease is no longer ours (nothing was written).
-    """
-    now = now or utcnow()
-    metrics = [m for m in batch.metrics
-               if not replayed(m, lease.metric_floor, lease.eval_floor, lease.final_evaluations)]
-    values: dict[str, Any] = {"updated_at": now}
-    if batch.progress is not None:
-        values["progress"] = batch.progress
-    if batch.phase is not None:
-        values["phase"] = batch.phase
-    if batch.resolved_spec is not None:
-        values["resolved_spec"] = batch.resolved_spec
-    if batch.provenance is not None:
-        values["provenance"] = batch.provenance
-    if batch.checkpoints:
-        values["latest_checkpoint_step"] = max(int(c["step"]) for c in batch.checkpoints)
-        best = [int(c["step"]) for c in batch.checkpoints if c.get("is_best")]
-        if best:
-            values["best_checkpoint_step"] = best[-1]
-    seqs = _reserve(session, sa.and_(_fence(lease), Job.status.in_(LEASED)), values,
-                    events=len(batch.events), metrics=len(metrics), logs=len(batch.logs))
-    if seqs is None:
-        raise LeaseLost(f"job {lease.job_id}: lease of {lease.owner} (attempt {lease.attempt}) is gone")
-    ev_last, me_last, lo_last = seqs
-    jid, att = lease.job_id, lease.attempt
-    if batch.events:
-        first = ev_last - len(batch.events) + 1
-        insert_events(session, [
-            event_row(jid, first + i, attempt=att, kind=e["kind"], message=e.get("message") or "",
-                      phase=e.get("phase"), data=e.get("data"), time=e.get("time") or now)
-            for i, e in enumerate(batch.events)
-        ])
-    if metrics:
-        first = me_last - len(metrics) + 1
-        session.execute(sa.insert(JobMetric), [
-            {"job_id": jid, "seq": first + i, "step": int(m["step"]), "time": m.get("time") or now, "attempt": att,
-             "epoch": m.get("epoch"), "values": m["values"]}
-            for i, m in enumerate(metrics)
-        ])
-    if batch.logs:
-        first = lo_last - len(batch.logs) + 1
-        session.execute(sa.insert(JobLog), [
-            {"job_id": jid, "seq": first + i, "time": g.get("time") or now, "attempt": att,
-             "level": g.get("level") or "info", "message": g.get("message") or ""}
-            for i, g in enumerate(batch.logs)
-        ])
-    for ck in batch.checkpoints:
-        _upsert_checkpoint(session, lease, ck, now)
-    for cm in batch.checkpoint_metrics:
-        _merge_checkpoint_metrics(session, jid, int(cm["step"]), cm.get("metrics") or {}, cm.get("evaluation"),
-                                  cm.get("files"))
-    if batch.missing_checkpoint_steps:
-        session.execute(
-            sa.update(Checkpoint)
-            .where(Checkpoint.job_id == jid, Checkpoint.step.in_(batch.missing_checkpoint_steps))
-            .values(complete=False)
-            .execution_options(synchronize_session=False)
-        )
-    return seqs
-
-
-def _merge_checkpoint_metrics(session: Session, job_id: str, step: int, metrics: dict[str, Any],
-                              evaluation: dict[str, Any] | None = None,
-                              files: list[dict[str, Any]] | None = None) -> None:
-    """Add `metrics` to an existing checkpoint's metrics, `evaluation`'s top-level keys to its evaluation and
-    `files` to its files (by path; a later measurement or file wins); no row, no-op."""
-    current = session.execute(
-        sa.select(Checkpoint.metrics, Checkpoint.evaluation, Checkpoint.files)
-        .where(Checkpoint.job_id == job_id, Checkpoint.step == step)
-    ).first()
-    if current is None or not (metrics or evaluation or files):
-        return
-    values: dict[str, Any] = {"metrics": {**(current[0] or {}), **metrics}}
-    if evaluation:
-        values["evaluation"] = {**(current[1] or {}), **evaluation}
-    if files:
-        added = {str(f["path"]): f for f in files}
-        values["files"] = [f for f in current[2] or [] if f.get("path") not in added] + list(added.values())
-    session.execute(
-        sa.update(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
-        .values(**values).execution_options(synchronize_session=False)
-    )
-
-
-def _upsert_checkpoint(session: Session, lease: Lease, ck: CheckpointRecord, now: datetime) -> None:
-    step = int(ck["step"])
-    fields = {"dir": str(ck["dir"]), "metrics": ck.get("metrics") or {}, "files": ck.get("files") or [],
-              "complete": True, "is_best": bool(ck.get("is_best")), "attempt": lease.attempt}
-    if fields["is_best"]:
-        session.execute(
-            sa.update(Checkpoint).where(Checkpoint.job_id == lease.job_id, Checkpoint.step != step)
-            .values(is_best=False).execution_options(synchronize_session=False)
-        )
-    res = session.execute(
-        sa.update(Checkpoint).where(Checkpoint.job_id == lease.job_id, Checkpoint.step == step)
-        .values(**fields).execution_options(synchronize_session=False)
-    )
-    if not getattr(res, "rowcount", 0):
-        session.execute(sa.insert(Checkpoint), [{"job_id": lease.job_id, "step": step, "created_at": now, **fields}])
-
-
 def finish(session: Session, lease: Lease, *, status: str, error_code: str | None = None,
            error_message: str | None = None, retryable: bool | None = None,
            event: tuple[str, str] | None = None, now: datetime | None = None) -> bool:
@@ -515,7 +302,7 @@ def finish(session: Session, lease: Lease, *, status: str, error_code: str | Non
     `max_restarts` (only `requeue_or_fail` checks that), but later crash restarts count on from it.
     """
     now = now or utcnow()
-    current = session.execute(sa.select(Job.status).where(_fence(lease))).scalar()
+    current = session.execute(sa.select(Job.status).where(fence(lease))).scalar()
     if current is None or not states.can_transition(current, status):
         return False
     values: dict[str, Any] = {
@@ -529,113 +316,10 @@ def finish(session: Session, lease: Lease, *, status: str, error_code: str | Non
         values["queued_at"] = now
         values["celery_task_id"] = None
         values["attempt"] = Job.attempt + 1
-    seqs = _reserve(session, sa.and_(_fence(lease), Job.status == current), values, events=1 if event else 0)
+    seqs = reserve(session, sa.and_(fence(lease), Job.status == current), values, events=1 if event else 0)
     if seqs is None:
         return False
     if event:
         insert_events(session, [event_row(lease.job_id, seqs[0], attempt=lease.attempt, kind=event[0],
                                           message=event[1], data={"status": status}, time=now)])
     return True
-
-
-@dataclass(frozen=True)
-class ReapAction:
-    """What the reaper (or a supervisor after a crash) did with a job whose attempt died."""
-
-    job_id: str
-    queue: str
-    status: str  # queued (requeued), failed, paused, cancelled
-    attempt: int
-    message: str
-
-
-def requeue_or_fail(session: Session, job: Job, *, reason: str, code: str = "worker_lost",
-                    now: datetime | None = None) -> ReapAction | None:
-    """Move a job whose attempt died to its next state, conditional on its lease being unchanged.
-
-    running -> queued with attempt+1 (resumes from its last complete checkpoint), or failed with `code`
-    once `max_restarts` requeues were used; pausing -> paused; cancelling -> cancelled.
-    Returns None if someone else changed the job first.
-    """
-    now = now or utcnow()
-    ck = job.latest_checkpoint_step
-    where = sa.and_(Job.id == job.id, Job.status == job.status, Job.attempt == job.attempt,
-                    (Job.lease_owner == job.lease_owner) if job.lease_owner is not None else Job.lease_owner.is_(None))
-    base: dict[str, Any] = {"lease_owner": None, "lease_expires_at": None, "updated_at": now}
-    if job.status == states.CANCELLING:
-        status, attempt, kind = states.CANCELLED, job.attempt, "cancelled"
-        message = f"cancelled ({reason})"
-        base.update(finished_at=now, desired_state=None)
-    elif job.status == states.PAUSING:
-        status, attempt, kind = states.PAUSED, job.attempt, "paused"
-        where_from = f"checkpoint step {ck}" if ck is not None else "the start (no complete checkpoint)"
-        message = f"paused ({reason}); resume continues from {where_from}"
-        base.update(desired_state=None)
-    elif job.attempt < job.max_restarts:
-        status, attempt, kind = states.QUEUED, job.attempt + 1, "resumed"
-        where_from = f"checkpoint step {ck}" if ck is not None else "the start (no complete checkpoint yet)"
-        message = f"resumed from {where_from} (attempt {attempt}): {reason}"
-        base.update(attempt=attempt, queued_at=now, celery_task_id=None, phase=None)
-    else:
-        status, attempt, kind = states.FAILED, job.attempt, "error"
-        message = f"{reason}; gave up after {job.attempt} restart(s) (max_restarts={job.max_restarts})"
-        base.update(finished_at=now, error_code=code, error_message=message, error_retryable=True,
-                    desired_state=None)
-    seqs = _reserve(session, where, {"status": status, **base}, events=1)
-    if seqs is None:
-        return None
-    insert_events(session, [event_row(job.id, seqs[0], attempt=attempt, kind=kind, message=message, time=now,
-                                      data={"status": status, "checkpoint_step": ck, "reason": reason})])
-    return ReapAction(job_id=job.id, queue=job.queue, status=status, attempt=attempt, message=message)
-
-
-def reap_lapsed(session: Session, *, now: datetime | None = None, limit: int = 100) -> list[ReapAction]:
-    """Requeue (or fail) every job whose lease expired; safe to run from several reapers at once."""
-    now = now or utcnow()
-    jobs = session.execute(
-        sa.select(Job).where(Job.status.in_(LEASED), Job.lease_expires_at < now).order_by(Job.id).limit(limit)
-    ).scalars().all()
-    actions = []
-    for job in jobs:
-        lapsed = (now - job.heartbeat_at).total_seconds() if job.heartbeat_at else None
-        reason = f"worker lost: no heartbeat for {lapsed:.0f} s" if lapsed is not None else "worker lost"
-        act = requeue_or_fail(session, job, reason=reason, now=now)
-        if act is not None:
-            actions.append(act)
-    return actions
-
-
-def queued_jobs(session: Session, queues: list[str], *, limit: int = 1000) -> list[tuple[str, str]]:
-    """(id, queue) of every queued job on `queues`, oldest first."""
-    rows = session.execute(
-        sa.select(Job.id, Job.queue).where(Job.status == states.QUEUED, Job.queue.in_(queues))
-        .order_by(Job.id).limit(limit)
-    ).all()
-    return [(str(r[0]), str(r[1])) for r in rows]
-
-
-def unsent_queued_jobs(session: Session, *, older_than: float, now: datetime | None = None,
-                       limit: int = 100) -> list[tuple[str, str]]:
-    """Queued jobs with no broker message recorded (`celery_task_id` null) for `older_than` seconds."""
-    now = now or utcnow()
-    rows = session.execute(
-        sa.select(Job.id, Job.queue).where(
-            Job.status == states.QUEUED, Job.celery_task_id.is_(None),
-            Job.queued_at < now - timedelta(seconds=older_than),
-        ).order_by(Job.id).limit(limit)
-    ).all()
-    return [(str(r[0]), str(r[1])) for r in rows]
-
-
-def sent_queued_jobs(session: Session, *, older_than: float, now: datetime | None = None,
-                     limit: int = 1000) -> list[tuple[str, str, str]]:
-    """(id, queue, task id) of queued jobs with a broker message recorded, queued for `older_than` seconds:
-    the reaper checks that their message is still in the broker (`Producer.waiting_task_ids`)."""
-    now = now or utcnow()
-    rows = session.execute(
-        sa.select(Job.id, Job.queue, Job.celery_task_id).where(
-            Job.status == states.QUEUED, Job.celery_task_id.is_not(None),
-            Job.queued_at < now - timedelta(seconds=older_than),
-        ).order_by(Job.id).limit(limit)
-    ).all()
-    return [(str(r[0]), str(r[1]), str(r[2])) for r in rows]

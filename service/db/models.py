@@ -1,8 +1,8 @@
 """SQLAlchemy 2 models of the service (the schema itself is created ONLY by Alembic migrations).
 
 Tables and column names are a cross-area contract (this module and `migrations/versions/`; overview in docs/service.md): the API, the worker's
-lease/ingest code (`service/db/lease.py`) and the migrations all use them. Timestamps are timezone-aware
-UTC (`UTCDateTime` restores the zone on SQLite, which stores naive values).
+lease/ingest code (`service/db/lease.py`, `service/db/progress.py`) and the migrations all use them.
+Timestamps are timezone-aware UTC (`UTCDateTime` restores the zone on SQLite, which stores naive values).
 """
 
 from __future__ import annotations

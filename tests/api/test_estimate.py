@@ -12,12 +12,12 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from api.checkpoint_schemas import Funnel
-from api.estimate import Comparable, Measured, estimate
 from peagle.spec import parse_spec, preset
 from peagle.spec.funnel import FUNNEL_KEYS
 from peagle.spec.hardware import cpu_facts, hardware_class
 from service.db.models import JobEvent, utcnow
 from service.db.session import session_scope
+from service.estimate import Comparable, Measured, estimate
 from tests.api.conftest import Sim
 
 PHASES = ("preparing_data", "regenerating", "capturing", "training", "evaluating", "exporting")
@@ -206,7 +206,7 @@ def test_offline_capture_is_estimated_once_whatever_the_epochs() -> None:
 
 def test_training_every_position_is_estimated_dearer_and_nothing_else() -> None:
     # `peagle.loss_positions` all trains 1.44x the elements of the same rows: training 1.2x, capture the same
-    from api.estimate import ALL_POSITIONS_STEP_COST
+    from service.estimate import ALL_POSITIONS_STEP_COST
 
     def phases(positions: str) -> dict[str, float]:
         data = preset("demo").model_dump(mode="json")

@@ -3,8 +3,8 @@ bound by the engines' capture, never below the trainer's own pace."""
 
 from __future__ import annotations
 
-from api.estimate import model_seconds
 from peagle.spec import parse_spec, preset
+from service.estimate import model_seconds
 
 
 def _spec(replicas: int | None, steps: int = 400):

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from api.checkpoint_schemas import Estimate
-from api.estimate import MODEL_RANGE, estimate
 from peagle.spec import parse_spec, preset
+from service.estimate import MODEL_RANGE, estimate
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
 BF16 = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})

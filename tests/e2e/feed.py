@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from service.db import lease as lease_db
+from service.db import progress as progress_db
 from service.db.session import make_engine, make_session_factory, session_scope
 
 __all__ = ["Feeder", "metric_values"]
@@ -79,7 +80,7 @@ class Feeder:
     def ingest(self, job_id: str, **batch: Any) -> None:
         """Write one batch (`metrics=[...]`, `events=[...]`, `logs=[...]`, `checkpoints=[...]`, `progress=`, `phase=`)."""
         with session_scope(self.sessions) as s:
-            lease_db.ingest(s, self.leases[job_id], lease_db.Batch(**batch))
+            progress_db.ingest(s, self.leases[job_id], progress_db.Batch(**batch))
 
     def replay(self, job_id: str, lines: list[str]) -> None:
         """Ingest a trainer's progress lines (`RUN/progress.jsonl`) as the worker's collector files them."""
@@ -89,7 +90,7 @@ class Feeder:
         for line in lines:
             collector.add_line(line)
         with session_scope(self.sessions) as s:
-            lease_db.ingest(s, self.leases[job_id], collector.take())
+            progress_db.ingest(s, self.leases[job_id], collector.take())
 
     def phase(self, job_id: str, phase: str) -> None:
         self.ingest(job_id, phase=phase, events=[{"kind": "phase", "phase": phase, "message": f"phase {phase}"}])

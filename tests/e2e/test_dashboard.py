@@ -1,7 +1,8 @@
 """The dashboard in a real browser (Debian Chromium) against the real API on loopback.
 
 Jobs get live data from `feed.Feeder`, which writes rows through the worker's own functions
-(`service.db.lease.claim_job/ingest/finish`) while the page is open; checkpoints are real files on disk.
+(`service.db.lease.claim_job`/`finish`, `service.db.progress.ingest`) while the page is open; checkpoints
+are real files on disk.
 """
 
 from __future__ import annotations

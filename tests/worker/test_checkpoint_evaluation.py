@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from service.db import lease as L
+from service.db import progress as P
 from service.db.models import Checkpoint
 from service.db.session import session_scope
 from tests.worker.conftest import new_job
@@ -52,7 +53,7 @@ def test_ingest_stores_and_merges_the_evaluation(factory: Any) -> None:
                            "metrics": {"vllm_acceptance_length": 1.25},
                            "evaluation": {"serving": EVALUATION["serving"]}}) + "\n")
     with session_scope(factory) as s:
-        L.ingest(s, lease, c.take())
+        P.ingest(s, lease, c.take())
     with factory() as s:
         ck = s.scalars(sa.select(Checkpoint).where(Checkpoint.job_id == job_id)).one()
     assert ck.metrics == {"tau_sim": 0.8, "acceptance_length": 1.3, "vllm_acceptance_length": 1.25}

@@ -11,6 +11,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import lease as L
+from service.db import progress as P
+from service.db import requeue as R
 from service.db.models import Job, JobMetric
 from service.db.session import session_scope
 from service.settings import get_settings
@@ -38,10 +40,10 @@ def _crashed_job(factory: sessionmaker[Session]) -> str:
     for rec in _train_records():
         collector.add(rec)
     with session_scope(factory) as s:
-        L.ingest(s, lease, collector.take())
+        P.ingest(s, lease, collector.take())
         L.expire_lease(s, lease)
     with session_scope(factory) as s:
-        assert [a.status for a in L.reap_lapsed(s)] == ["queued"]
+        assert [a.status for a in R.reap_lapsed(s)] == ["queued"]
     return job_id
 
 
@@ -61,7 +63,7 @@ def test_eval_at_the_crash_step_replayed_by_the_resumed_trainer_is_stored(factor
                 {"type": "metric", "step": STEP + 1, "epoch": 0.5, "values": {"loss": 0.2}}]:
         collector.add(rec)
     with session_scope(factory) as s:
-        L.ingest(s, lease, collector.take())
+        P.ingest(s, lease, collector.take())
     rows = _metric_rows(factory, job_id)
     assert [step for step, _ in rows] == [1, 2, 3, 4, 4, 5]  # the eval at 4 kept, the replayed loss at 4 not
     assert rows[4][1] == {"eval_loss": 0.5, "acceptance_length": 2.5}
@@ -93,7 +95,7 @@ def test_eval_at_the_crash_step_recovered_from_progress_jsonl_is_stored(factory:
     sup.collector.add(EVAL)
     sup.collector.add({"type": "metric", "step": STEP, "epoch": 0.4, "values": {"loss": 1.0 / STEP}})
     with session_scope(factory) as s:
-        L.ingest(s, sup.lease, sup.collector.take())
+        P.ingest(s, sup.lease, sup.collector.take())
     assert len(_metric_rows(factory, job_id)) == 5
 
 
@@ -123,21 +125,21 @@ def test_the_final_evaluation_of_a_resumed_attempt_is_kept_once(factory: Any) ->
     with session_scope(factory) as s:
         s.execute(sa.update(Job).where(Job.id == job_id).values(max_restarts=5))
         lease = L.claim_job(s, job_id, owner="w2", lease_seconds=60, artifact_dir="/tmp/x")
-        L.ingest(s, lease, _batch([EVAL]))  # the in-training eval at STEP: both floors now cover STEP
+        P.ingest(s, lease, _batch([EVAL]))  # the in-training eval at STEP: both floors now cover STEP
         L.expire_lease(s, lease)
-        assert [a.status for a in L.reap_lapsed(s)] == ["queued"]
+        assert [a.status for a in R.reap_lapsed(s)] == ["queued"]
     for owner in ("w3", "w4"):  # two attempts each print the final evaluation; the first one is stored
         with session_scope(factory) as s:
             lease = L.claim_job(s, job_id, owner=owner, lease_seconds=60, artifact_dir="/tmp/x")
             assert lease is not None and lease.eval_floor == STEP
-            L.ingest(s, lease, _batch(FINAL))
+            P.ingest(s, lease, _batch(FINAL))
             L.expire_lease(s, lease)
-            L.reap_lapsed(s)
+            R.reap_lapsed(s)
     rows = [values for _step, values in _metric_rows(factory, job_id) if "num_speculative_tokens" in values]
     assert len(rows) == 1 and rows[0]["acceptance_length"] == 1.5
 
 
-def _batch(records: list[dict[str, Any]]) -> L.Batch:
+def _batch(records: list[dict[str, Any]]) -> P.Batch:
     collector = ProgressCollector()
     for rec in records:
         collector.add(rec)
@@ -150,6 +152,6 @@ def test_a_final_evaluation_printed_before_a_crash_is_recovered_once(factory: An
     for rec in FINAL:  # the resumed trainer evaluates again: a replay
         sup.collector.add(rec)
     with session_scope(factory) as s:
-        L.ingest(s, sup.lease, sup.collector.take())
+        P.ingest(s, sup.lease, sup.collector.take())
     rows = [values for _step, values in _metric_rows(factory, job_id) if "num_speculative_tokens" in values]
     assert len(rows) == 1 and rows[0]["acceptance_length"] == 1.5

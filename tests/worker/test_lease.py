@@ -11,6 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from service.db import lease as L
+from service.db import progress as P
+from service.db import requeue as R
 from service.db.models import Checkpoint, Job, JobEvent, JobMetric, utcnow
 from service.db.session import session_scope
 from tests.worker.conftest import new_job
@@ -35,15 +37,15 @@ def test_second_claim_is_refused_and_cancelled_never_claimed(factory):
 def test_ingest_sequences_interleave_with_api_events_and_fence(factory):
     job_id = new_job(factory)
     lease = claim(factory, job_id)
-    batch = L.Batch(metrics=[{"step": 1, "values": {"loss": 1.0}}, {"step": 2, "values": {"loss": 0.9}}],
+    batch = P.Batch(metrics=[{"step": 1, "values": {"loss": 1.0}}, {"step": 2, "values": {"loss": 0.9}}],
                     events=[{"kind": "phase", "phase": "training", "message": "t"}],
                     logs=[{"level": "info", "message": "hello"}], phase="training",
                     progress={"step": 2, "total_steps": 10})
     with session_scope(factory) as s:
-        assert L.ingest(s, lease, batch) == (1, 2, 1)
+        assert P.ingest(s, lease, batch) == (1, 2, 1)
         L.add_job_event(s, job_id, kind="cancel_requested", message="by user", attempt=0)
     with session_scope(factory) as s:
-        seqs = L.ingest(s, lease, L.Batch(events=[{"kind": "warning", "message": "w"}],
+        seqs = P.ingest(s, lease, P.Batch(events=[{"kind": "warning", "message": "w"}],
                                           checkpoints=[{"step": 2, "dir": "checkpoints/step_000002",
                                                         "files": [], "metrics": {}, "is_best": True}]))
     assert seqs == (3, 2, 1)
@@ -56,13 +58,13 @@ def test_ingest_sequences_interleave_with_api_events_and_fence(factory):
     with session_scope(factory) as s:
         s.execute(sa.update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
     with session_scope(factory) as s:
-        (act,) = L.reap_lapsed(s)
+        (act,) = R.reap_lapsed(s)
     assert act.status == "queued" and act.attempt == 1
     assert "resumed from checkpoint step 2 (attempt 1)" in act.message
     with session_scope(factory) as s, pytest.raises(L.LeaseLost):
         L.heartbeat(s, lease, lease_seconds=60)
     with session_scope(factory) as s, pytest.raises(L.LeaseLost):
-        L.ingest(s, lease, L.Batch(logs=[{"message": "late"}]))
+        P.ingest(s, lease, P.Batch(logs=[{"message": "late"}]))
     with session_scope(factory) as s:
         assert L.finish(s, lease, status="succeeded") is False
 
@@ -71,14 +73,14 @@ def test_resumed_attempt_drops_replayed_metric_steps(factory):
     job_id = new_job(factory)
     lease = claim(factory, job_id)
     with session_scope(factory) as s:
-        L.ingest(s, lease, L.Batch(metrics=[{"step": i, "values": {"loss": 1.0 / i}} for i in range(1, 6)]))
+        P.ingest(s, lease, P.Batch(metrics=[{"step": i, "values": {"loss": 1.0 / i}} for i in range(1, 6)]))
         L.expire_lease(s, lease)
     with session_scope(factory) as s:
-        L.reap_lapsed(s)
+        R.reap_lapsed(s)
     again = claim(factory, job_id, "w2")
     assert again.attempt == 1 and again.metric_floor == 5
     with session_scope(factory) as s:  # the trainer resumed from step 3: replays 4, 5, then new steps
-        L.ingest(s, again, L.Batch(metrics=[{"step": i, "values": {"loss": 1.0 / i}} for i in range(4, 9)]))
+        P.ingest(s, again, P.Batch(metrics=[{"step": i, "values": {"loss": 1.0 / i}} for i in range(4, 9)]))
     with factory() as s:
         rows = s.scalars(sa.select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.seq)).all()
     assert [m.step for m in rows] == list(range(1, 9)) and [m.seq for m in rows] == list(range(1, 9))
@@ -95,7 +97,7 @@ def test_reaper_gives_up_after_max_restarts_and_honours_pause_cancel(factory):
                 status=status, lease_owner="dead", lease_expires_at=past, heartbeat_at=past,
                 attempt=1 if key == "run1" else 0))
     with session_scope(factory) as s:
-        acts = {a.job_id: a for a in L.reap_lapsed(s)}
+        acts = {a.job_id: a for a in R.reap_lapsed(s)}
     assert acts[ids["run0"]].status == "queued"
     assert acts[ids["run1"]].status == "failed" and acts[ids["pausing"]].status == "paused"
     assert acts[ids["cancelling"]].status == "cancelled"
@@ -104,7 +106,7 @@ def test_reaper_gives_up_after_max_restarts_and_honours_pause_cancel(factory):
         assert failed.error_code == "worker_lost" and "max_restarts=1" in failed.error_message
         assert failed.finished_at is not None and failed.lease_owner is None
     with session_scope(factory) as s:
-        assert L.reap_lapsed(s) == []  # idempotent
+        assert R.reap_lapsed(s) == []  # idempotent
 
 
 def test_checkpoint_upsert_moves_best_and_marks_deleted(factory):
@@ -113,8 +115,8 @@ def test_checkpoint_upsert_moves_best_and_marks_deleted(factory):
     ck = [{"step": s, "dir": f"checkpoints/step_{s:06d}", "files": [], "metrics": {}, "is_best": s == 4}
           for s in (2, 4, 6)]
     with session_scope(factory) as s:
-        L.ingest(s, lease, L.Batch(checkpoints=ck))
-        L.ingest(s, lease, L.Batch(checkpoints=[{**ck[2], "is_best": True}], missing_checkpoint_steps=[2]))
+        P.ingest(s, lease, P.Batch(checkpoints=ck))
+        P.ingest(s, lease, P.Batch(checkpoints=[{**ck[2], "is_best": True}], missing_checkpoint_steps=[2]))
     with factory() as s:
         rows = {c.step: c for c in s.scalars(sa.select(Checkpoint).where(Checkpoint.job_id == job_id))}
         job = s.get(Job, job_id)
@@ -135,7 +137,7 @@ def test_final_al_of_the_best_checkpoint_lands_on_its_row(factory):
                '"metrics":{"acceptance_length":1.7,"per_position":[0.5,0.2],"tau_sim":9.0}}\n')
     c.add_line('{"type":"event","kind":"eval","checkpoint_step":99,"metrics":{"acceptance_length":2.0}}\n')
     with session_scope(factory) as s:
-        L.ingest(s, lease, c.take())
+        P.ingest(s, lease, c.take())
     with factory() as s:
         rows = {ck.step: ck.metrics for ck in s.scalars(sa.select(Checkpoint).where(Checkpoint.job_id == job_id))}
     assert rows == {4: {"tau_sim": 0.4, "acceptance_length": 1.7, "al_pos_0": 0.5, "al_pos_1": 0.2},

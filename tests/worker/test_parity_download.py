@@ -58,6 +58,7 @@ def test_eval_files_merge_into_the_checkpoint_by_path(factory) -> None:
     import sqlalchemy as sa
 
     from service.db import lease as L
+    from service.db import progress as P
     from service.db.models import Checkpoint
     from service.db.session import session_scope
     from tests.worker.conftest import new_job
@@ -74,7 +75,7 @@ def test_eval_files_merge_into_the_checkpoint_by_path(factory) -> None:
         c.add({"type": "event", "kind": "eval", "checkpoint_step": 4, "metrics": {"acceptance_length": 1.3},
                "files": [{"path": "parity.json", "size": 9, "sha256": sha}]})
     with session_scope(factory) as s:
-        L.ingest(s, lease, c.take())
+        P.ingest(s, lease, c.take())
     with factory() as s:
         ck = s.scalars(sa.select(Checkpoint).where(Checkpoint.job_id == job_id)).one()
     assert ck.files == [weights, {"path": "parity.json", "size": 9, "sha256": "c" * 64}]

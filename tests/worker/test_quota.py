@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from peagle.spec import preset
 from service.db import lease as L
+from service.db import requeue as R
 from service.db import states
 from service.db.models import Job, JobEvent, Owner, utcnow
 from service.db.session import make_engine, make_session_factory, session_scope
@@ -66,7 +67,7 @@ def test_claim_respects_owner_limit_and_defers(factory):
         assert (job.status, job.phase, job.celery_task_id) == (states.QUEUED, L.QUOTA_WAIT, None)
         events = s.scalars(sa.select(JobEvent).where(JobEvent.job_id == a3)).all()
         assert [e.kind for e in events] == ["waiting"] and "max_concurrent_jobs=2" in events[0].message
-        unsent = L.unsent_queued_jobs(s, older_than=0.0, now=utcnow() + timedelta(seconds=1))
+        unsent = R.unsent_queued_jobs(s, older_than=0.0, now=utcnow() + timedelta(seconds=1))
     assert a3 in [j for j, _ in unsent]  # the reaper's sweep re-sends it later
     with session_scope(factory) as s:  # one of the owner's jobs ends: the waiting one may start
         s.execute(sa.update(Job).where(Job.id == a1).values(status=states.SUCCEEDED, lease_owner=None))

@@ -40,6 +40,7 @@ import torch
 from service.db.engine_tasks import task_rows
 from service.db.models import JobMetric
 from service.db.session import session_scope
+from tests.waiting import descendants, gone
 from tests.worker.conftest import Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -197,14 +198,6 @@ def complete_checkpoints(run: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*/COMPLETE"))
 
 
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
-
-
 def requeue_lapsed(stack: Stack, job_id: str, timeout: float = 60) -> None:
     """Reaper passes (`worker.reaper.reap_once`, as every worker's reaper runs them) until the job whose worker
     died is requeued and its message sent."""
@@ -324,27 +317,8 @@ def test_kill_an_engine_worker_then_cancel(stack, processes_mentioning):
 
 
 
-def descendants(pid: int) -> set[int]:
-    """Live processes below `pid` (children, their children, ...)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in found:
-                found.add(child)
-                todo.append(child)
-    return {p for p in found if not gone(p)}
-
-
 def test_kill_an_engine_worker_during_regeneration(stack):
-    from peagle.data.remote_regen import read_regen_plan, regen_dir
+    from peagle.split.protocol import read_regen_plan, regen_dir
 
     # conversations no earlier test regenerated (the owner's regeneration cache has none of them); as many
     # chunks in flight as there are live engine workers, so that idle ones take chunks from the shared queue

@@ -77,8 +77,8 @@ def test_dataset_report_uses_the_same_funnel(tmp_path):
 
 def test_demo_dry_run_funnel_matches_the_job_report(smollm2_tokenizer, tmp_path):
     """The dry run's funnel of the demo is the one its job reports (the user saw 624 vs 549 + 16 unexplained)."""
-    from api.estimate import estimate
     from peagle.spec import preset
+    from service.estimate import estimate
 
     spec = preset("demo")
     # the demo regenerates (with vLLM when there is one); what that drops depends on the target's answers,

@@ -1,6 +1,6 @@
-"""The chunk protocol of a split job (`peagle.target.remote`): engine-side chunks written whole, read by the
-trainer in its fixed order with the offline source's batches, released within the disk budget, a chunk
-cut short redone by another executor, a resumed stream starting where the trainer asks.
+"""The chunk protocol of a split job (`peagle.split.protocol`, `peagle.target.remote`): engine-side chunks
+written whole, read by the trainer in its fixed order with the offline source's batches, released within the
+disk budget, a chunk cut short redone by another executor, a resumed stream starting where the trainer asks.
 
 The engine handle here is the in-process `TargetCapture` of a tiny target (the same `hidden` interface as
 `VllmCapture`); two threads stand for two engine workers, both running `run_capture_chunk` on the files."""
@@ -16,15 +16,9 @@ import torch
 from peagle.data.packing import pack_documents
 from peagle.errors import EngineError
 from peagle.fileio import atomic_write_json
+from peagle.split.protocol import capture_plan, pending_chunks, releasable
 from peagle.target.capture import TargetCapture
-from peagle.target.remote import (
-    RemoteFeatureSource,
-    capture_plan,
-    pending_chunks,
-    releasable,
-    run_capture_chunk,
-    write_plan,
-)
+from peagle.target.remote import RemoteFeatureSource, run_capture_chunk, write_plan
 from peagle.target.sources import OfflineFeatureSource, write_feature_shards
 
 

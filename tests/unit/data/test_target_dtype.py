@@ -85,10 +85,10 @@ def test_the_loader_resolves_auto_from_this_machine() -> None:
 @pytest.mark.parametrize(("flags", "want"), [(EPYC_AVX2, "float32"), (XEON_BF16, "bfloat16")])
 def test_the_dry_run_shows_the_resolved_dtype(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str],
                                               want: str) -> None:
-    import api.estimate
     from api.checkpoint_schemas import Estimate
+    from service.estimate import dry_run
 
-    monkeypatch.setattr(api.estimate, "cpu_facts", lambda: DeviceFacts(cpu_flags=flags))
-    est = api.estimate.estimate(preset("demo"), dataset_rows={}, queue="cpu", queue_position=0)
+    monkeypatch.setattr(dry_run, "cpu_facts", lambda: DeviceFacts(cpu_flags=flags))
+    est = dry_run.estimate(preset("demo"), dataset_rows={}, queue="cpu", queue_position=0)
     assert est["target_dtype"] == want
     assert Estimate.model_fields["target_dtype"].annotation is not None

@@ -151,7 +151,7 @@ def _problems(path: Path, text: str) -> list[str]:
 
 
 def test_docs_folder_has_the_cited_documents() -> None:
-    for name in ("README", "decisions", "algorithm", "export", "service", "progress", "experiments"):
+    for name in ("README", "decisions", "algorithm", "export", "service", "progress", "experiments", "spec"):
         assert (DOCS / f"{name}.md").is_file(), f"docs/{name}.md is missing"
     assert {str(n) for n in range(1, 13)} <= _decisions()
     assert {f"1.{n}" for n in range(1, 16)} <= _sections(DOCS / "algorithm.md")
@@ -196,14 +196,20 @@ def test_every_experiment_link_resolves() -> None:
 
 
 def test_every_experiment_is_linked_from_the_decision_it_decided() -> None:
-    """Experiment `eN` decided docs/decisions.md decision N, whose section links it."""
+    """Experiment `eN` decided docs/decisions.md decision N, whose section links it; the observations
+    `service-N` are behind docs/service.md N, whose section links them."""
     decisions = _text(DOCS / "decisions.md")
     sections = dict(re.findall(r"(?ms)^## Decision (\d+)\b(.*?)(?=^## |\Z)", decisions))
+    service = dict(re.findall(r"(?ms)^## (\d+)\.(.*?)(?=^## |\Z)", _text(DOCS / "service.md")))
     anchors = ANCHOR.findall(_text(DOCS / "experiments.md"))
     assert anchors
     for anchor in anchors:
         number = re.fullmatch(r"e(\d+)", anchor)
-        assert number, f"experiment anchor {anchor!r} is not e<decision number>"
+        if number is None and (observed := re.fullmatch(r"service-(\d+)", anchor)):
+            assert observed.group(1) in service, f"{anchor}: docs/service.md has no section {observed.group(1)}"
+            assert f"experiments.md#{anchor}" in service[observed.group(1)], f"its section does not link {anchor}"
+            continue
+        assert number, f"experiment anchor {anchor!r} is not e<decision number> or service-<section number>"
         assert number.group(1) in sections, f"{anchor}: no such decision"
         assert f"experiments.md#{anchor}" in sections[number.group(1)], f"its decision does not link {anchor}"
 
@@ -223,7 +229,8 @@ def test_service_doc_states_what_the_import_contracts_enforce() -> None:
     contracts = tomllib.loads(_text(ROOT / "pyproject.toml"))["tool"]["importlinter"]["contracts"]
     text = _text(DOCS / "service.md")
     section = text[text.index("## 1.") : text.index("## 2.")]
-    words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven",
+             12: "twelve"}
     assert f"the {words.get(len(contracts), str(len(contracts)))} import-linter contracts" in section
     for contract in contracts:
         for module in contract.get("forbidden_modules", []):

@@ -52,20 +52,31 @@ def test_peagle_never_imports_the_service() -> None:
 
 
 def test_api_imports_only_the_spec_from_peagle() -> None:
-    # peagle.engine: only its stdlib-only process owner's sandbox (every parser of tenant bytes runs as its child)
-    allowed = {"peagle", "peagle.spec", "peagle.errors", "peagle.fileio", "peagle.engine", "peagle.engine.sandbox"}
+    # peagle.engine: only its stdlib-only process owner's sandbox (every parser of tenant bytes runs as its child);
+    # peagle.run_folder: the run folder's layout (stdlib only)
+    allowed = {"peagle", "peagle.spec", "peagle.errors", "peagle.fileio", "peagle.run_folder", "peagle.engine",
+               "peagle.engine.sandbox"}
     for path in (ROOT / "api").rglob("*.py"):
         for name in _imports(path):
             root = name.split(".")[0]
             assert root not in ("torch", "transformers", "worker"), f"{path.relative_to(ROOT)} imports {name}"
             if root == "peagle":
                 ok = name in allowed or name.startswith("peagle.spec.")  # the spec package is torch-free
-                assert ok, f"{path.relative_to(ROOT)} imports {name} (only peagle.spec[.*], peagle.errors, peagle.fileio and peagle.engine.sandbox allowed)"
+                assert ok, f"{path.relative_to(ROOT)} imports {name} (only peagle.spec[.*], peagle.errors, peagle.fileio, peagle.run_folder and peagle.engine.sandbox allowed)"
 
 
 def test_the_sandbox_the_api_imports_is_stdlib_only() -> None:
     loaded = _fresh("import sys, peagle.engine.sandbox; print(sorted(m for m in sys.modules if m.split('.')[0] in "
                     "('torch', 'transformers', 'numpy', 'fastapi', 'sqlalchemy', 'celery')))")
+    assert loaded == "[]", loaded
+
+
+def test_the_run_folder_imports_only_the_standard_library() -> None:
+    """The API, the service layer and the worker's dispatcher read the run folder's layout: nothing but the
+    standard library (and `peagle` itself, which loads nothing eagerly) comes with it."""
+    loaded = _fresh("import sys; before = set(sys.modules); import peagle.run_folder; "
+                    "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] not in "
+                    "sys.stdlib_module_names and m not in ('peagle', 'peagle.run_folder')))")
     assert loaded == "[]", loaded
 
 

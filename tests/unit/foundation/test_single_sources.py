@@ -73,3 +73,35 @@ def test_training_only_file_names_are_spelled_once() -> None:
     # the checkpoint writer, the API's download and the client name them through peagle.spec.files
     assert _where(r"[\"']training_state\.pt[\"']") == ["peagle/spec/files.py"]
     assert _where(r"TRAINING_ONLY_FILES\s*=") == ["peagle/spec/files.py"]
+
+
+#: The run folder's layout (docs/service.md 7) and what a second copy of each would look like in code.
+#: `peagle/run_folder.py` spells them all; every reader (the trainer's checkpoints, the evaluation end, the
+#: API's checkpoint routes, the warm start, promotion, the worker) calls it.
+RUN_FOLDER = "peagle/run_folder.py"
+RUN_FOLDER_COPIES = {
+    "the job's folder under the artifact root (job_dir)": r"def \w*job_dir\(",
+    "checkpoint folder names step_NNNNNN (step_dirname, step_of, checkpoint_relpath)":
+        r"step_\{[^}]*06d\}|['\"]step_\*?['\"/]|['\"]checkpoints/",
+    "the completeness marker (COMPLETE, is_complete, complete_checkpoints)": r"['\"/]COMPLETE['\"]",
+    "the checkpoints and export subfolders, checkpoints/state.json (CHECKPOINTS, EXPORT, STATE_FILE)":
+        r"/ ['\"](checkpoints|export|state\.json)['\"]",
+    "archive names <job>-step_NNNNNN[.tar] and the archive cache (archive_folder, archive_file, archive_cache_file)":
+        r"\}-step_|\}-\{step_dirname",
+    "the inside-a-folder check (inside, resolve_inside)": r"\.is_relative_to\(",
+    "the job:<id>@step_<N> form (job_ref, parse_job_ref)": r"@step_[{(]|['\"]@step_['\"]|f['\"]job:\{",
+}
+#: Where a pattern above matches something that is not the run folder: (fact, file) -> why.
+NOT_THE_RUN_FOLDER = {
+    ("the inside-a-folder check (inside, resolve_inside)", "api/access.py"):
+        "model roots: strictly below a root, the root itself refused",
+    ("the checkpoints and export subfolders, checkpoints/state.json (CHECKPOINTS, EXPORT, STATE_FILE)",
+     "peagle/eval/live.py"): "an export into a temporary folder, not a run's",
+}
+
+
+def test_the_run_folder_layout_is_spelled_once() -> None:
+    found = {what: [name for name in _where(rx) if name != RUN_FOLDER and (what, name) not in NOT_THE_RUN_FOLDER]
+             for what, rx in RUN_FOLDER_COPIES.items()}
+    assert found == {what: [] for what in RUN_FOLDER_COPIES}, "use peagle.run_folder instead"
+    assert _where(r"artifact_root\(\) /") == [], "a job's folder is peagle.run_folder.job_dir(root, job_id)"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from api.estimate import CALIBRATION_CLASS, estimate, spec_hardware
 from bench.bench_estimate import MIN_PHASE_S, measure, short_demo_spec
 from peagle.spec import preset
+from service.estimate import CALIBRATION_CLASS, estimate, spec_hardware
 
 ORDER = ("validating", "preview", "preparing_data", "capturing", "training", "evaluating", "exporting")
 

@@ -46,11 +46,11 @@ def test_callers_use_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer's device, the target dtype and the API's estimate all come from `resolve`."""
     import torch
 
-    from api.estimate import estimate
     from peagle.spec.hardware import CPU_BF16_FLAGS, read_cpu_flags
     from peagle.spec.schema import TrainSpec
     from peagle.target.loader import resolve_dtype
     from peagle.train.loop import resolve_device
+    from service.estimate import estimate
 
     calls = []
     real = TrainSpec.resolve
