@@ -22,8 +22,10 @@ venv), plus vLLM's settings.
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -127,6 +129,7 @@ def vllm_env(
     pythonpath: Sequence[Path] = (),
     extra: Mapping[str, str] | None = None,
     base: Mapping[str, str] | None = None,
+    tmpdir: Path | None = None,
 ) -> dict[str, str]:
     """The environment of a vLLM process (`vllm serve`, the probe): `child_env` without this venv's Python
     settings (`PYTHON*`, `VIRTUAL_ENV`) and without `TQDM_DISABLE` (vLLM's generate divides by a disabled
@@ -141,9 +144,21 @@ def vllm_env(
         pythonpath: the only `PYTHONPATH` (vLLM's plug-in modules; never `peagle`).
         extra: added last, as they are.
         base: as `child_env`.
+        tmpdir: the engine's own temporary folder (TMPDIR, TEMP, TMP), which its guard removes with it:
+            what vLLM and torch leave in the temporary folder (`tmp*`, `vllm_dist_*`) goes with the engine,
+            even when it is killed. Torch's compile cache stays where it was (`TORCHINDUCTOR_CACHE_DIR`, by
+            default `torchinductor_<user>` in the inherited temporary folder), shared by later engines, and
+            so do vLLM's IPC sockets (`VLLM_RPC_BASE_PATH`, a path that must stay short).
     """
     env = {k: v for k, v in child_env(base=base).items()
            if not k.startswith(("PYTHON", "VIRTUAL_ENV")) and k != "TQDM_DISABLE"}  # fmt: skip
+    inherited = env.get("TMPDIR") or tempfile.gettempdir()
+    # vLLM's IPC sockets (`VLLM_RPC_BASE_PATH`/<uuid4>) must fit a Unix socket path (107 bytes): in the
+    # inherited temporary folder when it leaves room, else in /tmp (a deep TMPDIR failed every engine start)
+    env.setdefault("VLLM_RPC_BASE_PATH", inherited if len(inherited.encode()) <= _RPC_BASE_MAX else "/tmp")
+    if tmpdir is not None:
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(inherited) / f"torchinductor_{_user()}"))
+        env.update(TMPDIR=str(tmpdir), TEMP=str(tmpdir), TMP=str(tmpdir))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gb:g}")
@@ -159,3 +174,17 @@ def vllm_env(
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
     env.update(extra or {})
     return env
+
+
+#: The longest `VLLM_RPC_BASE_PATH` that leaves room for vLLM's socket names: 107 bytes of a Unix socket
+#: path, less "/" and a 36-character uuid4.
+_RPC_BASE_MAX = 107 - 1 - 36
+
+
+def _user() -> str:
+    """The user name in torch's compile cache folder (`torchinductor_<user>`), spelled as torch spells it."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        name = f"uid_{os.getuid()}"
+    return re.sub(r'[\\/:*?"<>|]', "_", name)

@@ -157,7 +157,8 @@ def run_probe(
             cmd = [str(py), str(probe_script()), "--plan", str(plan_file), "--out", str(out_file)]
             # our vLLM plug-ins on its path: `peagle_tree` ties the probe's engine core to the probe, so a
             # killed probe (or guard) leaves nothing of its engine behind (docs/engine.md 3)
-            env = vllm_env(python=py, devices=None, offline=True, pythonpath=[PLUGINS_DIR])
+            # its temporary folder is `tmp`: what vLLM and torch leave there goes with it, even when killed
+            env = vllm_env(python=py, devices=None, offline=True, pythonpath=[PLUGINS_DIR], tmpdir=tmp)
             with log.open("w") as fh:
                 proc = guarded(cmd, env=env, grace_s=PROBE_GRACE_S, cleanup=[tmp], stdout=fh,
                                stderr=subprocess.STDOUT)

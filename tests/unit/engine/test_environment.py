@@ -55,3 +55,27 @@ def test_vllm_env_drops_our_python_and_adds_vllms(tmp_path: Path) -> None:
     gpu = vllm_env(python=venv / "bin" / "python", devices="3", offline=False, extra={"X": "y"}, base=base)
     assert gpu["CUDA_VISIBLE_DEVICES"] == "3" and "LD_PRELOAD" not in gpu and "PYTHONPATH" not in gpu
     assert gpu["X"] == "y" and gpu["HF_HUB_OFFLINE"] == "1"  # inherited from the worker's environment
+
+
+def test_vllm_env_gives_the_engine_its_own_temporary_folder_and_keeps_torchs_compile_cache(tmp_path: Path) -> None:
+    """With `tmpdir`, what vLLM and torch write to the temporary folder lands in the engine's own folder (its
+    guard removes it), while torch's compile cache stays in the inherited one, shared by later engines."""
+    base = {k: v for k, v in WORKER.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env = vllm_env(python=None, devices=None, offline=True, base=base, tmpdir=tmp_path / "engine")
+    assert env["TMPDIR"] == env["TEMP"] == env["TMP"] == str(tmp_path / "engine")
+    cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+    assert cache.parent == Path("/tmp/x") and cache.name.startswith("torchinductor_")
+    # a compile cache the worker names stays the worker's; without `tmpdir` nothing of it changes
+    assert vllm_env(python=None, devices=None, offline=True, base=WORKER, tmpdir=tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == "/ti"
+    plain = vllm_env(python=None, devices=None, offline=True, base=base)
+    assert plain["TMPDIR"] == "/tmp/x" and "TORCHINDUCTOR_CACHE_DIR" not in plain
+
+
+def test_vllms_sockets_stay_in_a_short_folder(tmp_path: Path) -> None:
+    """vLLM binds its IPC sockets at VLLM_RPC_BASE_PATH/<uuid4>, at most 107 bytes: the inherited temporary
+    folder when it is short enough (also when the engine has a folder of its own), else /tmp."""
+    env = vllm_env(python=None, devices=None, offline=True, base=WORKER, tmpdir=tmp_path / ("d" * 80))
+    assert env["VLLM_RPC_BASE_PATH"] == "/tmp/x"
+    deep = {**WORKER, "TMPDIR": "/srv/" + "x" * 70}
+    assert vllm_env(python=None, devices=None, offline=True, base=deep)["VLLM_RPC_BASE_PATH"] == "/tmp"
+    assert len("/tmp/x/" + "0" * 36) <= 107 < len(deep["TMPDIR"] + "/" + "0" * 36)
